@@ -1,0 +1,49 @@
+"""Typed errors, each carrying the HTTP status a client should see.
+
+The TorchServe adapter maps these to responses in one place; nothing else decides a status.
+"""
+
+from __future__ import annotations
+
+
+class HandlerError(Exception):
+    """Base class. ``status`` is the HTTP status; ``message`` is safe to show a client."""
+
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def to_json(self) -> dict:
+        return {"code": self.status, "type": type(self).__name__, "message": self.message}
+
+
+class ConfigError(HandlerError, ValueError):
+    """The model YAML is invalid. Raised at load time, so the worker never becomes READY (500)."""
+
+    status = 500
+
+
+class ModelLoadError(HandlerError):
+    """The model directory cannot be loaded (missing files, no safetensors) (500)."""
+
+    status = 500
+
+
+class InvalidInput(HandlerError, ValueError):
+    """The request body is malformed or out of bounds (400). Only that request fails."""
+
+    status = 400
+
+
+class ModelNotReady(HandlerError):
+    """A request arrived before the model finished loading, or after it failed to (503)."""
+
+    status = 503
+
+
+class InferenceError(HandlerError):
+    """Both the optimized and the eager forward failed on a batch (500)."""
+
+    status = 500

@@ -1,0 +1,23 @@
+"""Task registry: one adapter class per task, like transformers' SUPPORTED_TASKS."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from handlers.errors import ConfigError
+from handlers.tasks.base import Task
+from handlers.tasks.embeddings import EmbeddingsTask
+
+TASKS: Mapping[str, type[Task]] = MappingProxyType({EmbeddingsTask.name: EmbeddingsTask})
+
+
+def check_task(name: str, path: str = "task") -> type[Task]:
+    """The adapter class for ``name``; a ConfigError listing the valid names otherwise."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ConfigError(f"{path}: unknown task {name!r}; use one of: {', '.join(sorted(TASKS))}") from None
+
+
+__all__ = ["TASKS", "Task", "check_task"]

@@ -1,0 +1,82 @@
+"""What every task adapter provides, pipeline-style: parse -> preprocess -> module -> postprocess.
+
+The ladder optimizes the ``torch.nn.Module`` a task builds around the Hugging Face model, so parity is
+checked on what the client receives (e.g. pooled, normalized embeddings), not on hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from handlers.errors import InvalidInput
+
+WARMUP_WORDS = "the quick brown fox jumps over the lazy dog while a cat watches from the warm window".split()
+
+
+class Task(ABC):
+    """One task. Subclasses set ``name`` and ``model_class`` and implement the four hooks."""
+
+    name: ClassVar[str]
+    model_class: ClassVar[Any]  # a transformers Auto* class
+
+    def __init__(self, tokenizer: Any, max_length: int, max_inputs: int, model_name: str):
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.max_inputs = max_inputs
+        self.model_name = model_name
+
+    @abstractmethod
+    def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the ladder optimizes: the HF model plus the task's tensor-side head."""
+
+    @abstractmethod
+    def parse(self, body: Any) -> Any:
+        """Validate one request body into a request object; raise InvalidInput naming the problem."""
+
+    @abstractmethod
+    def preprocess(self, requests: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """Collate parsed requests into one batch of model inputs (CPU tensors)."""
+
+    @abstractmethod
+    def postprocess(self, outputs: Any, inputs: Mapping[str, torch.Tensor], requests: Sequence[Any]) -> list[Any]:
+        """Split the batch outputs into one JSON-serializable answer per request."""
+
+    def tokenize(self, texts: list[str], **kwargs: Any) -> dict[str, torch.Tensor]:
+        encoded = self.tokenizer(
+            texts, truncation=True, max_length=kwargs.pop("max_length", self.max_length), return_tensors="pt", **kwargs
+        )
+        return {name: encoded[name] for name in self.tokenizer.model_input_names if name in encoded}
+
+    def warmup_batches(self, shapes: Sequence[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+        """Real tokenized text at each (batch, sequence) shape; rows of different lengths exercise padding."""
+        batches = []
+        for batch_size, seq_len in shapes:
+            texts = [self._words(max(1, seq_len * (row + 1) // batch_size)) for row in range(batch_size)]
+            batches.append(self.tokenize(texts, padding="max_length", max_length=seq_len))
+        return batches
+
+    @staticmethod
+    def _words(count: int) -> str:
+        return " ".join(WARMUP_WORDS[i % len(WARMUP_WORDS)] for i in range(count))
+
+
+def decode_body(body: Any) -> Any:
+    """TorchServe hands over parsed JSON, text or raw bytes; turn bytes into text or JSON."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        if body.lstrip().startswith(("{", "[")):
+            try:
+                return json.loads(body)
+            except json.JSONDecodeError as exc:
+                raise InvalidInput(f"request body looks like JSON but does not parse: {exc}") from None
+    if body is None:
+        raise InvalidInput("request body is empty")
+    return body

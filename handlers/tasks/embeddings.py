@@ -1,0 +1,119 @@
+"""Sentence embeddings: mean pooling over the attention mask, then L2 normalisation (sentence-transformers).
+
+Accepted bodies, each answered in the shape its clients expect:
+
+* raw text, or ``{"text": "..."}``            -> ``{"embedding": [...]}``
+* ``{"inputs": "..." | ["...", ...]}``         -> ``{"embeddings": [[...], ...]}``
+* ``{"input": "..." | ["...", ...]}`` (OpenAI) -> ``{"object": "list", "data": [...], "model", "usage"}``
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+
+from handlers.errors import InvalidInput
+from handlers.tasks.base import Task, decode_body
+
+# Keys OpenAI clients send beside "input"; only what changes the answer is checked.
+OPENAI_EXTRA_KEYS = frozenset({"model", "encoding_format", "user"})
+
+
+class Style(str, enum.Enum):
+    TEXT = "text"
+    INPUTS = "inputs"
+    OPENAI = "input"
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    texts: tuple[str, ...]
+    style: Style
+
+
+class MeanPooledEmbedder(torch.nn.Module):
+    """Encoder + masked mean pooling + L2 norm, so compile and parity cover what clients receive."""
+
+    def __init__(self, encoder: torch.nn.Module):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2, dim=1)
+
+
+class EmbeddingsTask(Task):
+    name = "embeddings"
+    model_class = transformers.AutoModel
+
+    def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        return MeanPooledEmbedder(model).eval()
+
+    def parse(self, body: Any) -> EmbeddingRequest:
+        body = decode_body(body)
+        if isinstance(body, str):
+            return EmbeddingRequest((body,), Style.TEXT)
+        if isinstance(body, list):
+            return EmbeddingRequest(self._texts(body, "the body"), Style.INPUTS)
+        if not isinstance(body, Mapping):
+            raise InvalidInput(f"expected text or a JSON object, got JSON {type(body).__name__}")
+        present = [style for style in Style if style.value in body]
+        if len(present) != 1:
+            raise InvalidInput('send exactly one of "text", "inputs" or "input" in the JSON object')
+        style = present[0]
+        allowed = {style.value} | (OPENAI_EXTRA_KEYS if style is Style.OPENAI else set())
+        unknown = sorted(str(key) for key in body if key not in allowed)
+        if unknown:
+            raise InvalidInput(f"unknown key(s) {', '.join(unknown)}; allowed here: {', '.join(sorted(allowed))}")
+        if style is Style.OPENAI and body.get("encoding_format", "float") != "float":
+            raise InvalidInput(f"encoding_format {body['encoding_format']!r} is not supported; use \"float\"")
+        value = body[style.value]
+        if style is Style.TEXT and not isinstance(value, str):
+            raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
+        return EmbeddingRequest(self._texts(value, f'"{style.value}"'), style)
+
+    def _texts(self, value: Any, where: str) -> tuple[str, ...]:
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not texts:
+            raise InvalidInput(f"{where} must be a string or a non-empty list of strings")
+        if len(texts) > self.max_inputs:
+            raise InvalidInput(f"{where} has {len(texts)} texts; at most {self.max_inputs} per request")
+        bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+        if bad is not None:
+            raise InvalidInput(f"{where}[{bad}] must be a string, got {type(texts[bad]).__name__}")
+        return tuple(texts)
+
+    def preprocess(self, requests: Sequence[EmbeddingRequest]) -> dict[str, torch.Tensor]:
+        return self.tokenize([text for request in requests for text in request.texts], padding=True)
+
+    def postprocess(
+        self, outputs: torch.Tensor, inputs: Mapping[str, torch.Tensor], requests: Sequence[EmbeddingRequest]
+    ) -> list[dict[str, Any]]:
+        vectors = outputs.float().cpu().tolist()
+        tokens = inputs["attention_mask"].sum(dim=1).tolist()
+        answers, start = [], 0
+        for request in requests:
+            end = start + len(request.texts)
+            answers.append(self._answer(request, vectors[start:end], sum(tokens[start:end])))
+            start = end
+        return answers
+
+    def _answer(self, request: EmbeddingRequest, vectors: list[list[float]], tokens: int) -> dict[str, Any]:
+        if request.style is Style.TEXT:
+            return {"embedding": vectors[0]}
+        if request.style is Style.INPUTS:
+            return {"embeddings": vectors}
+        return {
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "model": self.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }

@@ -1,0 +1,91 @@
+"""TorchServe adapter: the only module that imports ``ts``.
+
+Package it as the archive's handler file (``--handler handlers/torchserve_handler.py``) with the
+``handlers`` package beside it; TorchServe then finds ``Pt2Handler``, the one class defined here.
+Everything below is translation: TorchServe context -> Engine, Engine answers/errors -> responses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from ts.metrics.dimension import Dimension
+from ts.torch_handler.base_handler import BaseHandler
+from ts.utils.util import PredictionException
+
+from handlers.config import load_config
+from handlers.engine import Engine
+from handlers.errors import HandlerError
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+
+class Pt2Handler(BaseHandler):
+    """Compile at load through the verified ladder; serve the configured task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: Engine | None = None
+
+    def initialize(self, context: Any) -> None:
+        properties = context.system_properties
+        config = load_config(context.model_yaml_config)
+        self.device = _device(properties.get("gpu_id"))
+        self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name)
+        self.engine.load()
+        for attempt in self.engine.attempts:
+            _count(context, "Pt2RungAttempts", 1, Rung=attempt.rung, Status=attempt.status.value)
+        self.initialized = True
+
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
+        if context.get_request_header(0, "describe") == "True":
+            return [json.dumps(self.describe_handle())]
+        if self.engine is None:
+            raise PredictionException(json.dumps({"code": 503, "message": "model is not loaded"}), 503)
+        failures_before = self.engine.runtime_failures
+        try:
+            answers = self.engine.predict([_body(row) for row in data])
+        except HandlerError as exc:
+            logger.error("batch failed: %s", exc.message, exc_info=exc.__cause__ is not None)
+            raise PredictionException(json.dumps(exc.to_json()), exc.status) from exc
+        fallbacks = self.engine.runtime_failures - failures_before
+        if fallbacks:
+            _count(context, "Pt2RuntimeFallbacks", fallbacks, Rung=self.engine.active_rung or "none")
+        return [_respond(context, index, answer) for index, answer in enumerate(answers)]
+
+    def describe_handle(self) -> dict[str, Any]:
+        return self.engine.describe() if self.engine else {"state": "not initialized"}
+
+
+def _device(gpu_id: int | None) -> torch.device:
+    if gpu_id is not None and torch.cuda.is_available():
+        return torch.device(f"cuda:{gpu_id}")
+    return torch.device("cpu")
+
+
+def _body(row: dict[str, Any]) -> Any:
+    # TorchServe names a raw body "body" and a form field "data".
+    return row["data"] if "data" in row else row.get("body")
+
+
+def _respond(context: Any, index: int, answer: Any) -> str:
+    context.set_response_content_type(index, JSON)
+    if isinstance(answer, HandlerError):
+        context.set_response_status(answer.status, answer.message, index)
+        return json.dumps(answer.to_json())
+    return json.dumps(answer)
+
+
+def _count(context: Any, name: str, value: int, **dimensions: str) -> None:
+    """Metrics must never break serving: a metrics configuration that rejects a name only logs."""
+    try:
+        dims = [Dimension(key, val) for key, val in dimensions.items()]
+        context.metrics.add_counter(name, value, None, dims)
+    except Exception:  # noqa: BLE001
+        logger.warning("could not emit metric %s", name, exc_info=True)
