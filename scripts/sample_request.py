@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""Send one embeddings request to the running server and show the answer and the active rung."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tsctl import DEFAULT_CONFIG, DEFAULT_RUN_DIR, server_for
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--text", default="TorchServe with torch.compile, verified at load time.")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    args = parser.parse_args()
+    server = server_for(args.config, args.run_dir)
+    body = json.dumps({"text": args.text}).encode()
+    started = time.perf_counter()
+    status, answer = server.call("POST", f"{server.inference_url}/predictions/{args.model}", "inference", body,
+                                 "application/json")
+    millis = (time.perf_counter() - started) * 1000
+    if status != 200:
+        raise SystemExit(f"request failed ({status}): {answer.decode(errors='replace')}")
+    vector = json.loads(answer)["embedding"]
+    norm = sum(v * v for v in vector) ** 0.5
+    print(f"POST /predictions/{args.model} {{'text': {args.text!r}}} -> {status} in {millis:.0f} ms")
+    print(f"embedding: {len(vector)} dims, L2 norm {norm:.4f}, first values {[round(v, 4) for v in vector[:5]]}")
+    _, meta = server.management("GET", f"/models/{args.model}?customized=true")
+    optimization = json.loads(meta)[0]["customizedMetadata"]["optimization"]
+    print(f"active rung: {optimization['active']} (device {optimization['device']}, torch {optimization['torch']})")
+    for attempt in optimization["attempts"]:
+        reason = f" -- {attempt['reason']}" if attempt.get("reason") else ""
+        print(f"  {attempt['rung']:<13} {attempt['status']:<9} {attempt['seconds']:>7.1f}s{reason}")
+
+
+if __name__ == "__main__":
+    main()

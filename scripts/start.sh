@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# torchserve --start with model_configs/config.properties (loopback, token auth on), wait for READY,
+# print how to call it. Arguments: models as name=file.mar (default: minilm=minilm.mar).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec .venv/bin/python scripts/tsctl.py start "$@"

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Start, wait for and stop a TorchServe for pt2-handlers, with token auth on.
+
+``start`` runs ``torchserve --start`` inside a run directory (key_file.json, logs/ and the pid file
+land there, so several servers never share state), waits until every model has a READY worker, then
+prints how to call it. It never prints a key: the commands it shows read the key from the file.
+
+Used by scripts/start.sh, scripts/stop.sh, scripts/run.sh and the integration tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib import error, request
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RUN_DIR = REPO / ".run"
+DEFAULT_CONFIG = REPO / "model_configs" / "config.properties"
+
+
+@dataclass(frozen=True)
+class Server:
+    run_dir: Path
+    inference_url: str
+    management_url: str
+    metrics_url: str
+
+    @property
+    def key_file(self) -> Path:
+        return self.run_dir / "key_file.json"
+
+    def key(self, kind: str) -> str:
+        """``kind``: "inference" or "management"."""
+        return json.loads(self.key_file.read_text())[kind]["key"]
+
+    def call(self, method: str, url: str, key_kind: str | None, body: bytes | None = None,
+             content_type: str | None = None, timeout: float = 120) -> tuple[int, bytes]:
+        """One HTTP call; returns (status, body) for any status."""
+        req = request.Request(url, data=body, method=method)
+        if key_kind is not None:
+            req.add_header("Authorization", f"Bearer {self.key(key_kind)}")
+        if content_type is not None:
+            req.add_header("Content-Type", content_type)
+        try:
+            with request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, resp.read()
+        except error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def management(self, method: str, path: str, timeout: float = 120) -> tuple[int, bytes]:
+        return self.call(method, f"{self.management_url}{path}", "management", timeout=timeout)
+
+
+def read_properties(config: Path) -> dict[str, str]:
+    props = {}
+    for line in config.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            props[key.strip()] = value.strip()
+    return props
+
+
+def server_for(config: Path, run_dir: Path) -> Server:
+    props = read_properties(config)
+    return Server(
+        run_dir=run_dir,
+        inference_url=props.get("inference_address", "http://127.0.0.1:8080"),
+        management_url=props.get("management_address", "http://127.0.0.1:8081"),
+        metrics_url=props.get("metrics_address", "http://127.0.0.1:8082"),
+    )
+
+
+def server_env(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.pop("PYTHONPATH", None)  # the archive must bring its own code
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TMPDIR=str(run_dir / "tmp"),  # TorchServe keeps its pid file in the temp dir
+    )
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
+    return env
+
+
+def start(config: Path, model_store: Path, models: list[str], run_dir: Path, timeout: float,
+          env: dict[str, str] | None = None) -> Server:
+    """Start TorchServe in ``run_dir`` with ``models`` ("name=file.mar") and wait until each is READY."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "tmp").mkdir(exist_ok=True)
+    server = server_for(config, run_dir)
+    torchserve = str(Path(sys.executable).parent / "torchserve")
+    command = [torchserve, "--start", "--ncs", "--ts-config", str(config), "--model-store", str(model_store)]
+    if models:
+        command += ["--models", *models]
+    print(f"[start] in {run_dir}: {shlex.join(command)}", flush=True)
+    # The server inherits these streams; a file keeps it from holding the caller's pipe open.
+    with open(run_dir / "torchserve.out", "ab") as out:
+        subprocess.run(command, cwd=run_dir, env=server_env(run_dir, env), check=True, stdout=out, stderr=out)
+    wait_for_key_file(server, timeout=60)
+    for name in [m.split("=", 1)[0].removesuffix(".mar") for m in models]:
+        wait_ready(server, name, timeout)
+    return server
+
+
+def wait_for_key_file(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            server.key("management")
+            return
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.5)
+    raise TimeoutError(f"TorchServe wrote no key file at {server.key_file} in {timeout:.0f}s")
+
+
+def workers(server: Server, name: str) -> list[dict]:
+    status, body = server.management("GET", f"/models/{name}", timeout=10)
+    if status != 200:
+        return []
+    return [w for entry in json.loads(body) for w in entry.get("workers", [])]
+
+
+def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> None:
+    """Wait until ``count`` workers of ``name`` are READY, printing progress every 10 seconds."""
+    started = time.monotonic()
+    last_print = 0.0
+    log = server.run_dir / "logs" / "model_log.log"
+    log_offset = log.stat().st_size if log.is_file() else 0
+    while True:
+        elapsed = time.monotonic() - started
+        try:
+            states = [w.get("status") for w in workers(server, name)]
+        except OSError:
+            states = []
+        if states.count("READY") >= count:
+            print(f"[start] {name}: {count} worker(s) READY after {elapsed:.0f}s", flush=True)
+            return
+        if elapsed > timeout:
+            raise TimeoutError(f"{name} not READY after {timeout:.0f}s (workers: {states}); see {server.run_dir}/logs")
+        if elapsed - last_print >= 10:
+            print(f"[start] {name}: waiting for READY ({elapsed:.0f}s; workers {states or 'starting'})"
+                  f"{last_rung_line(log, log_offset)}", flush=True)
+            last_print = elapsed
+        time.sleep(1)
+
+
+def last_rung_line(log: Path, offset: int) -> str:
+    """The newest ladder progress line written to the model log since ``offset``."""
+    if not log.is_file():
+        return ""
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    lines = [line for line in text.splitlines() if "rung " in line]
+    return f" -- {re.sub(r'^.*?rung ', 'rung ', lines[-1])}" if lines else ""
+
+
+def stop(run_dir: Path, env: dict[str, str] | None = None) -> None:
+    torchserve = str(Path(sys.executable).parent / "torchserve")
+    subprocess.run([torchserve, "--stop"], cwd=run_dir, env=server_env(run_dir, env), check=False)
+
+
+def usage_hint(server: Server, name: str) -> str:
+    key = f"$(python3 -c 'import json;print(json.load(open(\"{server.key_file}\"))[\"inference\"][\"key\"])')"
+    mkey = key.replace('"inference"', '"management"')
+    return "\n".join([
+        "Call it (the keys stay in the key file; these commands read them):",
+        f'  curl -s -H "Authorization: Bearer {key}" \\',
+        f"       -H 'Content-Type: application/json' -d '{{\"text\": \"hello world\"}}' {server.inference_url}/predictions/{name}",
+        f'  curl -s -H "Authorization: Bearer {mkey}" "{server.management_url}/models/{name}?customized=true"',
+        "Stop it: scripts/stop.sh",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    start_p = sub.add_parser("start", help="torchserve --start, then wait until READY")
+    start_p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    start_p.add_argument("--model-store", type=Path, default=REPO / "model_store")
+    start_p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    start_p.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
+    start_p.add_argument("models", nargs="*", default=["minilm=minilm.mar"])
+    stop_p = sub.add_parser("stop", help="torchserve --stop")
+    stop_p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    args = parser.parse_args()
+    if args.command == "stop":
+        stop(args.run_dir.resolve())
+        return
+    server = start(args.config.resolve(), args.model_store.resolve(), args.models, args.run_dir.resolve(),
+                   args.timeout)
+    for model in args.models:
+        print(usage_hint(server, model.split("=", 1)[0]))
+
+
+if __name__ == "__main__":
+    main()

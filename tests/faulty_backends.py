@@ -1,0 +1,25 @@
+"""torch.compile backends that fail on purpose, given to the ladder as ``module:function``.
+
+A backend runs when dynamo compiles a frame, i.e. at the first forward, not at ``torch.compile``:
+exactly the lazy failure TorchServe's stock handler lets through to the first user request. The
+integration test ships this file inside an archive so a real worker imports it.
+"""
+
+from __future__ import annotations
+
+
+def raise_on_compile(graph_module, example_inputs):
+    raise RuntimeError("injected failure: this backend cannot compile anything")
+
+
+def wrong_numbers(graph_module, example_inputs):
+    """Compiles to a graph whose outputs are off by one."""
+
+    def run(*args):
+        outputs = graph_module(*args)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(o + 1 if hasattr(o, "is_floating_point") and o.is_floating_point() else o
+                                 for o in outputs)
+        return outputs + 1
+
+    return run
