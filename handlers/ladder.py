@@ -228,9 +228,10 @@ def _detached(output: Any) -> Any:
 
 
 def summarize(exc: BaseException, limit: int = 300) -> str:
-    """One line for describe/logs: dynamo errors run to pages, the first line says what broke."""
-    first = next((line for line in str(exc).splitlines() if line.strip()), "")
-    text = f"{type(exc).__name__}: {first}".strip()
+    """One line for describe/logs: dynamo errors run to pages; the first two lines say what broke
+    (e.g. "BackendCompilerFailed: backend='x' raised:" then the backend's own error)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
+    text = f"{type(exc).__name__}: {' '.join(lines)}".strip()
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
