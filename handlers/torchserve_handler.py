@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,8 @@ def _body(row: dict[str, Any]) -> Any:
 def _respond(context: Any, index: int, answer: Any) -> str:
     context.set_response_content_type(index, JSON)
     if isinstance(answer, HandlerError):
-        context.set_response_status(answer.status, answer.message, index)
+        # The reason phrase is the standard one: the message (which may echo client input) stays in the body.
+        context.set_response_status(answer.status, HTTPStatus(answer.status).phrase, index)
         return json.dumps(answer.to_json())
     return json.dumps(answer)
 

@@ -80,8 +80,8 @@ def server_for(config: Path, run_dir: Path) -> Server:
     )
 
 
-def server_env(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
+def server_env(run_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the archive must bring its own code
     env.update(
         HF_HUB_OFFLINE="1",
@@ -92,8 +92,7 @@ def server_env(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, s
     return env
 
 
-def start(config: Path, model_store: Path, models: list[str], run_dir: Path, timeout: float,
-          env: dict[str, str] | None = None) -> Server:
+def start(config: Path, model_store: Path, models: list[str], run_dir: Path, timeout: float) -> Server:
     """Start TorchServe in ``run_dir`` with ``models`` ("name=file.mar") and wait until each is READY."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tmp").mkdir(exist_ok=True)
@@ -105,7 +104,7 @@ def start(config: Path, model_store: Path, models: list[str], run_dir: Path, tim
     print(f"[start] in {run_dir}: {shlex.join(command)}", flush=True)
     # The server inherits these streams; a file keeps it from holding the caller's pipe open.
     with open(run_dir / "torchserve.out", "ab") as out:
-        subprocess.run(command, cwd=run_dir, env=server_env(run_dir, env), check=True, stdout=out, stderr=out)
+        subprocess.run(command, cwd=run_dir, env=server_env(run_dir), check=True, stdout=out, stderr=out)
     wait_for_key_file(server, timeout=60)
     for name in [m.split("=", 1)[0].removesuffix(".mar") for m in models]:
         wait_ready(server, name, timeout)
@@ -165,9 +164,9 @@ def last_rung_line(log: Path, offset: int) -> str:
     return f" -- {re.sub(r'^.*?rung ', 'rung ', lines[-1])}" if lines else ""
 
 
-def stop(run_dir: Path, env: dict[str, str] | None = None) -> None:
+def stop(run_dir: Path) -> None:
     torchserve = str(Path(sys.executable).parent / "torchserve")
-    subprocess.run([torchserve, "--stop"], cwd=run_dir, env=server_env(run_dir, env), check=False)
+    subprocess.run([torchserve, "--stop"], cwd=run_dir, env=server_env(run_dir), check=False)
 
 
 def usage_hint(server: Server, name: str) -> str:
