@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from handlers.config import HandlerConfig, WarmupSpec
-from handlers.errors import ConfigError, HandlerError, InferenceError, InvalidInput, ModelNotReady
+from handlers.errors import ConfigError, InferenceError, InvalidInput, ModelNotReady
 from handlers.ladder import Attempt, GuardedForward, build_ladder, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
 from handlers.tasks import Task, check_task
@@ -104,7 +104,7 @@ class Engine:
             results = self._task.postprocess(outputs, inputs, requests)
             if len(results) != len(requests):
                 raise InferenceError(f"task returned {len(results)} answers for {len(requests)} requests")
-            for index, result in zip(parsed, results):
+            for index, result in zip(parsed, results, strict=True):
                 answers[index] = result
         self.batches += 1
         self.max_batch_requests = max(self.max_batch_requests, len(bodies))

@@ -186,7 +186,7 @@ def run_ladder(
 
 
 def _prove(name: str, forward: Forward, batches: Sequence[Batch], references: Sequence[Any], tol: Tolerance) -> None:
-    for index, (batch, expected) in enumerate(zip(batches, references)):
+    for index, (batch, expected) in enumerate(zip(batches, references, strict=True)):
         started = time.perf_counter()
         with torch.inference_mode():
             actual = forward(**batch)
@@ -201,7 +201,7 @@ def compare_outputs(actual: Any, expected: Any, tol: Tolerance) -> None:
     got, want = list(_tensors(actual)), list(_tensors(expected))
     if len(got) != len(want):
         raise ParityError(f"output structure differs: {len(got)} tensors vs eager's {len(want)}")
-    for position, (a, b) in enumerate(zip(got, want)):
+    for position, (a, b) in enumerate(zip(got, want, strict=True)):
         if a.shape != b.shape:
             raise ParityError(f"output {position} has shape {tuple(a.shape)}, eager {tuple(b.shape)}")
         a32, b32 = a.detach().float().cpu(), b.float().cpu()

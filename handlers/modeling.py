@@ -35,7 +35,8 @@ def load_pretrained(model_dir: Path, model_class: Any, dtype: torch.dtype, devic
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model_dir}: {exc}") from exc
     model = model.to(device).eval()
-    logger.info("loaded %s (%s) from %s in %.1fs", type(model).__name__, dtype, model_dir, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    logger.info("loaded %s (%s) from %s in %.1fs", type(model).__name__, dtype, model_dir, seconds)
     return model, tokenizer
 
 

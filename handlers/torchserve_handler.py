@@ -58,7 +58,8 @@ class Pt2Handler(BaseHandler):
             except InvalidInput as exc:
                 answers[index] = exc
         try:
-            answers.update(zip(bodies, self.engine.predict(list(bodies.values()))) if bodies else ())
+            if bodies:
+                answers.update(zip(bodies, self.engine.predict(list(bodies.values())), strict=True))
         except HandlerError as exc:
             logger.error("batch failed: %s", exc.message, exc_info=exc.__cause__ is not None)
             raise PredictionException(json.dumps(exc.to_json()), exc.status) from exc

@@ -175,7 +175,8 @@ def usage_hint(server: Server, name: str) -> str:
     return "\n".join([
         "Call it (the keys stay in the key file; these commands read them):",
         f'  curl -s -H "Authorization: Bearer {key}" \\',
-        f"       -H 'Content-Type: application/json' -d '{{\"text\": \"hello world\"}}' {server.inference_url}/predictions/{name}",
+        "       -H 'Content-Type: application/json' -d '{\"text\": \"hello world\"}' \\",
+        f"       {server.inference_url}/predictions/{name}",
         f'  curl -s -H "Authorization: Bearer {mkey}" "{server.management_url}/models/{name}?customized=true"',
         "Stop it: scripts/stop.sh",
     ])
