@@ -76,8 +76,9 @@ class CompileSpec:
 
     def kwargs(self) -> dict[str, Any]:
         """Fresh keyword arguments for ``torch.compile`` (the backend resolved to a callable if custom)."""
-        kwargs: dict[str, Any] = {"backend": resolve_backend(self.backend), "fullgraph": self.fullgraph}
-        kwargs["dynamic"] = self.dynamic
+        kwargs: dict[str, Any] = {
+            "backend": resolve_backend(self.backend), "fullgraph": self.fullgraph, "dynamic": self.dynamic,
+        }
         if self.mode is not None:
             kwargs["mode"] = self.mode
         if self.options is not None:
