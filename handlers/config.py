@@ -3,7 +3,8 @@
 Two sections matter here; every other top-level key (minWorkers, batchSize, ...) is TorchServe's own.
 
 * ``pt2`` -- TorchServe's format for ``torch.compile`` options (current and legacy forms).
-* ``pt2_handlers`` -- this package's settings: task, model directory, dtype, ladder, warmup, parity.
+* ``pt2_handlers`` -- this package's settings: task, model directory, dtype, ladder, shapes, quality gate,
+  threads, compile cache.
 
 ``load_config`` never mutates its input and rejects anything it does not understand with one
 ``ConfigError`` that names the key, the value and what is allowed.
@@ -14,13 +15,14 @@ from __future__ import annotations
 import enum
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from handlers.errors import ConfigError
+from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
 
 PT2_SECTION = "pt2"
 SETTINGS_SECTION = "pt2_handlers"
@@ -36,6 +38,7 @@ class RungName(str, enum.Enum):
 
 
 class DType(str, enum.Enum):
+    AUTO = "auto"  # resolved at load from the hardware (handlers.hardware.resolve_dtype)
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
@@ -43,24 +46,6 @@ class DType(str, enum.Enum):
     @property
     def torch(self) -> torch.dtype:
         return getattr(torch, self.value)
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Largest accepted difference between an optimized rung and eager: |a-b| <= atol + rtol*|b|."""
-
-    atol: float
-    rtol: float
-
-
-# Why these numbers: fp32 kernels reorder sums (~1e-6 here); half types keep 8-11 mantissa bits.
-DEFAULT_TOLERANCE = MappingProxyType(
-    {
-        DType.FLOAT32: Tolerance(atol=1e-4, rtol=1e-3),
-        DType.BFLOAT16: Tolerance(atol=5e-2, rtol=5e-2),
-        DType.FLOAT16: Tolerance(atol=1e-2, rtol=1e-2),
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -73,21 +58,34 @@ class CompileSpec:
     dynamic: bool | None = None
     fullgraph: bool = False
     options: Mapping[str, Any] | None = None
+    freezing: bool = False  # inductor only: weights become constants, prepacked for the CPU kernels
 
     def kwargs(self) -> dict[str, Any]:
         """Fresh keyword arguments for ``torch.compile`` (the backend resolved to a callable if custom)."""
         kwargs: dict[str, Any] = {
             "backend": resolve_backend(self.backend), "fullgraph": self.fullgraph, "dynamic": self.dynamic,
         }
-        if self.mode is not None:
+        if self.freezing and self.backend == "inductor":
+            # torch.compile takes mode or options, not both: spell the mode out as its options.
+            mode_options = torch._inductor.list_mode_options(self.mode, self.dynamic) if self.mode else {}
+            kwargs["options"] = {**mode_options, **(self.options or {}), "freezing": True}
+        elif self.mode is not None:
             kwargs["mode"] = self.mode
-        if self.options is not None:
+        elif self.options is not None:
             kwargs["options"] = dict(self.options)
         return kwargs
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.mode in ("reduce-overhead", "max-autotune") or bool((self.options or {}).get("triton.cudagraphs"))
+
+    def with_shapes(self, dynamic: bool, freezing: bool) -> CompileSpec:
+        """This compile as the shape policy and the CPU fast path run it."""
+        return replace(self, dynamic=dynamic, freezing=freezing and self.backend == "inductor")
+
     def safer(self) -> CompileSpec:
-        """The fallback compile: inductor in default mode, automatic dynamic shapes, graph breaks allowed."""
-        return CompileSpec(enabled=self.enabled, backend="inductor")
+        """The fallback compile: inductor in default mode, no freezing or custom options, graph breaks allowed."""
+        return CompileSpec(enabled=self.enabled, backend="inductor", dynamic=self.dynamic)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -96,18 +94,8 @@ class CompileSpec:
             "dynamic": self.dynamic,
             "fullgraph": self.fullgraph,
             "options": dict(self.options) if self.options is not None else None,
+            "freezing": self.freezing,
         }
-
-
-@dataclass(frozen=True)
-class WarmupSpec:
-    """Input shapes run through every rung at load time: each batch size with each sequence length."""
-
-    batch_sizes: tuple[int, ...] = (1, 2)
-    seq_lengths: tuple[int, ...] = (16, 32)
-
-    def shapes(self) -> list[tuple[int, int]]:
-        return [(b, s) for b in self.batch_sizes for s in self.seq_lengths]
 
 
 @dataclass(frozen=True)
@@ -117,23 +105,28 @@ class HandlerSettings:
     task: str = "embeddings"
     model_dir: str = "model"
     max_length: int | None = None
-    dtype: DType = DType.FLOAT32
+    dtype: DType = DType.AUTO
     ladder: tuple[RungName, ...] = (RungName.COMPILE, RungName.SAFE_COMPILE, RungName.IPEX, RungName.EAGER)
-    warmup: WarmupSpec = field(default_factory=WarmupSpec)
-    parity: Tolerance | None = None
+    shapes: ShapePolicy = field(default_factory=ShapePolicy)
+    quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    freezing: bool = False  # measured: no gain with bf16 on an AVX512-BF16 CPU, and slower warm restarts
+    threads: int | None = None  # None: the cores shared among minWorkers workers
+    compile_cache: str | None = None  # None: TORCHINDUCTOR_CACHE_DIR, else torch's default
     max_runtime_failures: int = 3
     max_inputs_per_request: int = 64
-
-    @property
-    def tolerance(self) -> Tolerance:
-        return self.parity or DEFAULT_TOLERANCE[self.dtype]
 
 
 @dataclass(frozen=True)
 class HandlerConfig:
     compile: CompileSpec = field(default_factory=CompileSpec)
     settings: HandlerSettings = field(default_factory=HandlerSettings)
+    workers: int = 1  # TorchServe's minWorkers: how many workers share this host's cores
     warnings: tuple[str, ...] = ()
+
+    @property
+    def served_compile(self) -> CompileSpec:
+        """The requested compile with the shape policy's dynamism and the fast path's freezing."""
+        return self.compile.with_shapes(self.settings.shapes.dynamic, self.settings.freezing)
 
 
 def resolve_backend(name: str) -> str | Callable[..., Any]:
@@ -207,8 +200,11 @@ def load_config(raw: Mapping[str, Any] | None) -> HandlerConfig:
         raise ConfigError(f"the model YAML must be a mapping, got {type(raw).__name__}")
     warnings: list[str] = []
     compile_spec = _parse_pt2(raw.get(PT2_SECTION), warnings)
-    settings = _parse_settings(raw.get(SETTINGS_SECTION))
-    return HandlerConfig(compile=compile_spec, settings=settings, warnings=tuple(warnings))
+    settings = _parse_settings(raw.get(SETTINGS_SECTION), compile_spec)
+    workers = raw.get("minWorkers", 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"minWorkers must be a positive integer, got {workers!r}")
+    return HandlerConfig(compile=compile_spec, settings=settings, workers=workers, warnings=tuple(warnings))
 
 
 def _parse_pt2(value: Any, warnings: list[str]) -> CompileSpec:
@@ -280,26 +276,30 @@ def _check_backend(name: str, path: str) -> None:
         )
 
 
-def _parse_settings(value: Any) -> HandlerSettings:
+def _parse_settings(value: Any, compile_spec: CompileSpec) -> HandlerSettings:
     if value is None:
-        return HandlerSettings()
+        value = {}
     section = _Section(value, SETTINGS_SECTION)
     defaults = HandlerSettings()
+    from handlers.tasks import check_task  # the task registry is the one list of valid task names
+
+    task = section.get("task", (str,), defaults.task)
+    task_class = check_task(task, f"{SETTINGS_SECTION}.task")
     settings = HandlerSettings(
-        task=section.get("task", (str,), defaults.task),
+        task=task,
         model_dir=section.get("model_dir", (str,), defaults.model_dir),
         max_length=_positive(section, "max_length", None),
         dtype=section.choice("dtype", DType, defaults.dtype),
         ladder=_parse_ladder(section, defaults.ladder),
-        warmup=_parse_warmup(section),
-        parity=_parse_parity(section),
+        shapes=_parse_shapes(section, compile_spec),
+        quality_gate=_parse_gate(section, task_class),
+        freezing=section.get("freezing", (bool,), defaults.freezing),
+        threads=_positive(section, "threads", None) if section.get("threads", (str, int)) != "auto" else None,
+        compile_cache=section.get("compile_cache", (str,)),
         max_runtime_failures=_positive(section, "max_runtime_failures", defaults.max_runtime_failures),
         max_inputs_per_request=_positive(section, "max_inputs_per_request", defaults.max_inputs_per_request),
     )
     section.finish()
-    from handlers.tasks import check_task  # the task registry is the one list of valid task names
-
-    check_task(settings.task, f"{SETTINGS_SECTION}.task")
     return settings
 
 
@@ -330,30 +330,40 @@ def _parse_ladder(section: _Section, default: tuple[RungName, ...]) -> tuple[Run
     return tuple(rungs)
 
 
-def _parse_warmup(section: _Section) -> WarmupSpec:
-    raw = section.get("warmup", (Mapping,))
-    if raw is None:
-        return WarmupSpec()
-    warmup = _Section(raw, section.key("warmup"))
-    defaults = WarmupSpec()
-    spec = WarmupSpec(
-        batch_sizes=warmup.positive_ints("batch_sizes", defaults.batch_sizes),
-        seq_lengths=warmup.positive_ints("seq_lengths", defaults.seq_lengths),
+def _parse_shapes(section: _Section, compile_spec: CompileSpec) -> ShapePolicy:
+    """``shapes``; without a ``policy``, ``pt2.compile.dynamic: true`` means dynamic, anything else buckets."""
+    shapes = _Section(section.get("shapes", (Mapping,), {}), section.key("shapes"))
+    implied = PolicyKind.DYNAMIC if compile_spec.dynamic else PolicyKind.BUCKETS
+    defaults = ShapePolicy()
+    policy = ShapePolicy(
+        kind=shapes.choice("policy", PolicyKind, implied),
+        batch_sizes=shapes.positive_ints("batch_sizes", defaults.batch_sizes),
+        seq_lengths=shapes.positive_ints("seq_lengths", defaults.seq_lengths),
+        after_ready=shapes.choice("after_ready", AfterReady, defaults.after_ready),
     )
-    warmup.finish()
-    return spec
+    shapes.finish()
+    if compile_spec.dynamic is not None and compile_spec.dynamic != policy.dynamic:
+        raise ConfigError(
+            f"pt2.compile.dynamic: {str(compile_spec.dynamic).lower()} contradicts {shapes.path}.policy: "
+            f"{policy.kind.value}; drop one of them (buckets compile static shapes, dynamic compiles symbolic ones)"
+        )
+    if policy.kind is PolicyKind.DYNAMIC and (1 not in policy.batch_sizes or policy.max_batch < 2):
+        raise ConfigError(
+            f"{shapes.key('batch_sizes')}: the dynamic policy warms batch size 1 and one >= 2 "
+            f"(torch specializes size 1), got {list(policy.batch_sizes)}"
+        )
+    return policy
 
 
-def _parse_parity(section: _Section) -> Tolerance | None:
-    raw = section.get("parity", (Mapping,))
-    if raw is None:
-        return None
-    parity = _Section(raw, section.key("parity"))
+def _parse_gate(section: _Section, task_class: Any) -> Mapping[str, float]:
+    """``quality_gate``: the task's own thresholds (e.g. ``min_cosine`` for embeddings), checked by the task."""
+    raw = section.get("quality_gate", (Mapping,), {})
+    gate = _Section(raw, section.key("quality_gate"))
     values = {}
-    for key in ("atol", "rtol"):
-        value = parity.get(key, (float, int))
-        if value is None or value < 0:
-            raise ConfigError(f"{parity.key(key)} must be a number >= 0, got {value!r}")
-        values[key] = float(value)
-    parity.finish()
-    return Tolerance(**values)
+    for key in task_class.gate_keys:
+        value = gate.get(key, (float, int))
+        if value is not None:
+            values[key] = float(value)
+    gate.finish()
+    task_class.quality_gate(DType.FLOAT32, values)  # raises ConfigError for values out of range
+    return MappingProxyType(values)

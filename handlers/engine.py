@@ -5,6 +5,7 @@ Lifecycle is explicit (``State``): requests before READY or after a failed load 
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import time
@@ -14,10 +15,13 @@ from typing import Any
 
 import torch
 
-from handlers.config import HandlerConfig, WarmupSpec
-from handlers.errors import ConfigError, InferenceError, InvalidInput, ModelNotReady
+from handlers import compile_cache, hardware
+from handlers.compile_cache import CacheDir
+from handlers.config import DType, HandlerConfig
+from handlers.errors import InferenceError, InvalidInput, ModelNotReady
 from handlers.ladder import Attempt, GuardedForward, build_ladder, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
+from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
 from handlers.tasks import Task, check_task
 
 logger = logging.getLogger(__name__)
@@ -32,17 +36,25 @@ class State(str, enum.Enum):
 class Engine:
     """One model: ``load()`` once, then ``predict(bodies)`` per batch, ``describe()`` any time."""
 
-    def __init__(self, config: HandlerConfig, model_root: Path, device: torch.device, model_name: str):
+    def __init__(self, config: HandlerConfig, model_root: Path, device: torch.device, model_name: str,
+                 cache: CacheDir | None = None):
+        """``cache``: the compile cache already prepared by the caller (the TorchServe adapter does so before
+        the config is validated); None prepares the configured one at load."""
         self.config = config
         self.model_root = Path(model_root)
         self.device = device
         self.model_name = model_name
+        self.cache = cache
         self.state = State.LOADING
         self.failure: str | None = None
         self.load_seconds: float | None = None
         self.attempts: list[Attempt] = []
+        self.notes: list[str] = []
         self.batches = 0
         self.max_batch_requests = 0
+        self.dtype = hardware.resolve_dtype(config.settings.dtype, device)
+        self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)
+        self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
         self._guard: GuardedForward | None = None
 
@@ -62,17 +74,29 @@ class Engine:
 
     def _load(self) -> None:
         settings = self.config.settings
+        if self.cache is None:
+            self.cache = compile_cache.prepare(settings.compile_cache)
+        torch.set_num_threads(self.threads.value)
         task_class = check_task(settings.task)
         model_dir = self.model_root / settings.model_dir
-        model, tokenizer = load_pretrained(model_dir, task_class.model_class, settings.dtype.torch, self.device)
+        # fp32 first: it is the reference every rung is judged against, and the eager fallback.
+        model, tokenizer = load_pretrained(model_dir, task_class.model_class, torch.float32, self.device)
         max_length = resolve_max_length(model_dir, model, tokenizer, settings.max_length)
-        _check_warmup(settings.warmup, max_length)
+        self.shapes = settings.shapes.fitted(max_length)
         self._task = task_class(tokenizer, max_length, settings.max_inputs_per_request, self.model_name)
-        module = self._task.build_module(model)
-        batches = [self._on_device(batch) for batch in self._task.warmup_batches(settings.warmup.shapes())]
-        result = run_ladder(module, build_ladder(self.config, self.device), batches, settings.tolerance)
+        reference = self._task.build_module(model)
+        dtype: DType = self.dtype.value
+        serving = reference if dtype is DType.FLOAT32 else copy.deepcopy(reference).to(dtype.torch)
+        batches = [self._on_device(batch) for batch in self._task.warmup_batches(self.shapes.warmup_shapes())]
+        no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
+        rungs = build_ladder(self.config, self.device, dtype, compile_unavailable=no_cache)
+        self.notes = [note for rung in rungs for note in rung.notes(self.device)]
+        result = run_ladder(reference, serving, dtype, rungs, batches, task_class.quality_gate(
+            dtype, settings.quality_gate))
         self.attempts = result.attempts
-        self._guard = GuardedForward(result, module, settings.max_runtime_failures)
+        self.dtype = hardware.Choice(result.dtype, self.dtype.reason if result.dtype is dtype else
+                                     f"{self.dtype.reason}; no rung kept the answers in {dtype.value}")
+        self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
 
     @property
     def active_rung(self) -> str | None:
@@ -97,7 +121,9 @@ class Engine:
             requests = list(parsed.values())
             inputs = self._task.preprocess(requests)
             try:
-                outputs = self._guard(**self._on_device(inputs))
+                outputs = self._forward(inputs)
+            except InferenceError:
+                raise
             except Exception as exc:
                 logger.exception("eager forward failed too on a batch of %d requests", len(requests))
                 raise InferenceError("inference failed for this batch") from exc
@@ -110,6 +136,17 @@ class Engine:
         self.max_batch_requests = max(self.max_batch_requests, len(bodies))
         return answers
 
+    def _forward(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        """Run the batch at the shape policy's shapes: chunks of at most the largest batch bucket, each padded
+        up to its bucket, outputs sliced back to the real rows."""
+        assert self._guard is not None and self._task is not None
+        outputs = []
+        for chunk in split_rows(inputs, self.shapes.max_batch):
+            rows, seq = next(iter(chunk.values())).shape[:2]
+            padded = pad_batch(chunk, self.shapes.serving_shape(rows, seq), self._task.pad_values)
+            outputs.append(take_rows(self._guard(**self._on_device(padded)), rows))
+        return concat_rows(outputs)
+
     def _on_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: tensor.to(self.device) for name, tensor in batch.items()}
 
@@ -119,9 +156,14 @@ class Engine:
             "active": self.active_rung,
             "attempts": [attempt.to_json() for attempt in self.attempts],
             "device": str(self.device),
-            "dtype": settings.dtype.value,
+            "dtype": self.dtype.value.value,
+            "dtype_reason": self.dtype.reason,
+            "threads": {"intra_op": self.threads.value, "reason": self.threads.reason},
             "torch": torch.__version__,
-            "requested_compile": self.config.compile.describe() if self.config.compile.enabled else None,
+            "requested_compile": self.config.served_compile.describe() if self.config.compile.enabled else None,
+            "notes": self.notes,
+            "shapes": self.shapes.describe(),
+            "compile_cache": self.cache.describe() if self.cache else None,
             "runtime": self._guard.describe() if self._guard else None,
         }
         return {
@@ -134,8 +176,3 @@ class Engine:
             "config_warnings": list(self.config.warnings),
         }
 
-
-def _check_warmup(warmup: WarmupSpec, max_length: int) -> None:
-    too_long = [length for length in warmup.seq_lengths if length > max_length]
-    if too_long:
-        raise ConfigError(f"pt2_handlers.warmup.seq_lengths {too_long} exceed max_length {max_length}")

@@ -2,17 +2,19 @@
 
 A rung is accepted only after the warmup batches ran through it *inside* the guard (``torch.compile``
 is lazy: graph and codegen failures surface on the first forward, not on the ``compile`` call) and its
-outputs matched eager within the tolerance. Anything else records a reason and moves down. Eager is
-the reference and the last resort.
+outputs passed the task's quality gate against **fp32 eager**, whatever dtype the rung serves in.
+Anything else records a reason and moves down. fp32 eager is the reference and the last resort.
 
 ``GuardedForward`` protects live traffic: an optimized forward that raises is re-run eagerly, and after
-``max_failures`` such batches the guard demotes itself to eager for good.
+``max_failures`` such batches the guard demotes itself to eager for good. After READY it also applies the
+shape policy's stance: a shape that would need a new compile is served eagerly, refused, or compiled.
 
 Pure torch; no TorchServe import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
@@ -23,8 +25,10 @@ from typing import Any
 
 import torch
 
-from handlers.config import CompileSpec, DType, HandlerConfig, RungName, Tolerance
+from handlers.config import CompileSpec, DType, HandlerConfig, RungName
+from handlers.errors import InferenceError
 from handlers.ipex import probe_ipex
+from handlers.shapes import AfterReady
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +43,48 @@ class AttemptStatus(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Quality:
+    """The gate's worst value over the warmup batches (higher is better) and the bar it had to clear."""
+
+    metric: str
+    value: float
+    threshold: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"metric": self.metric, "value": round(self.value, 6), "threshold": self.threshold}
+
+
+@dataclass(frozen=True)
 class Attempt:
     rung: str
     status: AttemptStatus
     reason: str | None
     seconds: float
+    dtype: str | None = None
+    quality: Quality | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rung": self.rung, "status": self.status.value, "reason": self.reason, "seconds": self.seconds}
+        return {"rung": self.rung, "status": self.status.value, "reason": self.reason, "seconds": self.seconds,
+                "dtype": self.dtype, "quality": self.quality.to_json() if self.quality else None}
 
 
-class ParityError(AssertionError):
-    """An optimized rung's outputs differ from eager beyond the tolerance."""
+class QualityError(AssertionError):
+    """An optimized rung's answers are not those of fp32 eager (the gate's value is below its threshold)."""
+
+    def __init__(self, message: str, quality: Quality | None = None):
+        super().__init__(message)
+        self.quality = quality
+
+
+class QualityGate(ABC):
+    """A task's acceptance metric on what the client receives, e.g. cosine per embedding row."""
+
+    metric: str
+    threshold: float
+
+    @abstractmethod
+    def measure(self, actual: Any, expected: Any) -> float:
+        """Worst value over the batch (higher is better); QualityError if the outputs cannot be compared."""
 
 
 class Rung(ABC):
@@ -64,6 +98,10 @@ class Rung(ABC):
 
     @abstractmethod
     def apply(self, module: torch.nn.Module) -> Forward: ...
+
+    def notes(self, device: torch.device) -> list[str]:
+        """Things the configured rung cannot do on this device, for describe."""
+        return []
 
 
 class CompileRung(Rung):
@@ -79,19 +117,40 @@ class CompileRung(Rung):
 
     def apply(self, module: torch.nn.Module) -> Forward:
         compiled = torch.compile(module, **self.spec.kwargs())
-        if self.spec.mode in ("reduce-overhead", "max-autotune"):
+        if self.spec.uses_cuda_graphs and _device_of(module).type == "cuda":
             return _with_cudagraph_steps(compiled)
         return compiled
 
+    def notes(self, device: torch.device) -> list[str]:
+        """What the requested compile does not do here, said rather than pretended."""
+        if self.spec.enabled and self.spec.uses_cuda_graphs and device.type != "cuda":
+            return [f"mode {self.spec.mode}: no CUDA graphs on {device.type}; inductor compiles without them"]
+        return []
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
 
 def _with_cudagraph_steps(compiled: Forward) -> Forward:
-    """CUDA-graph trees reuse output buffers; a step marker per call keeps each batch's outputs its own."""
+    """CUDA-graph trees reuse output buffers across replays: mark each call as a new step and clone the
+    outputs, so a batch never reads (or hands a client) buffers the next replay overwrites."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args, **kwargs)
+        return _cloned(compiled(*args, **kwargs))
 
     return forward
+
+
+def _cloned(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if isinstance(output, Mapping):
+        return {key: _cloned(value) for key, value in output.items()}
+    if isinstance(output, (list, tuple)):
+        return type(output)(_cloned(value) for value in output)
+    return output
 
 
 class IpexRung(Rung):
@@ -122,18 +181,20 @@ class EagerRung(Rung):
         return module
 
 
-def build_ladder(config: HandlerConfig, device: torch.device) -> list[Rung]:
-    """The rungs named in ``pt2_handlers.ladder``, in order; eager is always last."""
-    requested = config.compile
+def build_ladder(config: HandlerConfig, device: torch.device, dtype: DType,
+                 compile_unavailable: str | None = None) -> list[Rung]:
+    """The rungs named in ``pt2_handlers.ladder``, in order; eager is always last. ``compile_unavailable``
+    skips the compile rungs with that reason (e.g. no writable compile cache)."""
+    requested = config.served_compile
     rungs: list[Rung] = []
     for name in config.settings.ladder:
         if name is RungName.COMPILE:
-            rungs.append(CompileRung(name.value, requested))
+            rungs.append(CompileRung(name.value, requested, skip_reason=compile_unavailable))
         elif name is RungName.SAFE_COMPILE:
             same = "identical to the compile rung" if requested.safer() == requested else None
-            rungs.append(CompileRung(name.value, requested.safer(), skip_reason=same))
+            rungs.append(CompileRung(name.value, requested.safer(), skip_reason=compile_unavailable or same))
         elif name is RungName.IPEX:
-            rungs.append(IpexRung(device, config.settings.dtype))
+            rungs.append(IpexRung(device, dtype))
         else:
             rungs.append(EagerRung())
     return rungs
@@ -143,89 +204,93 @@ def build_ladder(config: HandlerConfig, device: torch.device) -> list[Rung]:
 class LadderResult:
     active: str
     forward: Forward
+    dtype: DType
     attempts: list[Attempt] = field(default_factory=list)
 
 
 def run_ladder(
-    module: torch.nn.Module,
+    reference: torch.nn.Module,
+    serving: torch.nn.Module,
+    dtype: DType,
     rungs: Sequence[Rung],
     warmup_batches: Sequence[Batch],
-    tolerance: Tolerance,
+    gate: QualityGate,
 ) -> LadderResult:
-    """Try each rung on the warmup batches; return the first that runs and matches eager."""
+    """Try each rung on ``serving`` (the model in ``dtype``); return the first that runs and whose answers
+    pass ``gate`` against ``reference`` (the fp32 model run eagerly). If none does, serve the reference."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
-        references = [_detached(module(**batch)) for batch in warmup_batches]
+        references = [_detached(reference(**batch)) for batch in warmup_batches]
     attempts: list[Attempt] = []
     for rung in rungs:
-        started = time.perf_counter()
-        reason = rung.unavailable_reason()
-        if reason is not None:
-            attempts.append(Attempt(rung.name, AttemptStatus.SKIPPED, reason, 0.0))
-            logger.info("rung %s skipped: %s", rung.name, reason)
-            continue
-        try:
-            forward = rung.apply(module)
-            if not isinstance(rung, EagerRung):  # eager produced the references: nothing to prove
-                _prove(rung.name, forward, warmup_batches, references, tolerance)
-        except Exception as exc:  # noqa: BLE001 -- any failure of an optimized rung means: next rung
-            seconds = _since(started)
-            attempts.append(Attempt(rung.name, AttemptStatus.FAILED, summarize(exc), seconds))
-            logger.warning("rung %s failed after %.1fs; trying the next rung", rung.name, seconds, exc_info=True)
-            if isinstance(rung, CompileRung):
-                torch._dynamo.reset()  # drop half-built graphs so the next rung starts clean
-            continue
+        if isinstance(rung, EagerRung) and serving is reference:
+            break  # fp32 eager produced the references: nothing to prove
+        attempt, forward = _try(rung, serving, dtype, warmup_batches, references, gate)
+        attempts.append(attempt)
+        if forward is not None:
+            return LadderResult(active=rung.name, forward=forward, dtype=dtype, attempts=attempts)
+    reason = None if serving is reference else f"no rung kept the answers in {dtype.value}; serving fp32 eager"
+    attempts.append(Attempt(RungName.EAGER.value, AttemptStatus.ACCEPTED, reason, 0.0, DType.FLOAT32.value))
+    return LadderResult(active=RungName.EAGER.value, forward=reference, dtype=DType.FLOAT32, attempts=attempts)
+
+
+def _try(rung: Rung, module: torch.nn.Module, dtype: DType, batches: Sequence[Batch], references: Sequence[Any],
+         gate: QualityGate) -> tuple[Attempt, Forward | None]:
+    started = time.perf_counter()
+    reason = rung.unavailable_reason()
+    if reason is not None:
+        logger.info("rung %s skipped: %s", rung.name, reason)
+        return Attempt(rung.name, AttemptStatus.SKIPPED, reason, 0.0, dtype.value), None
+    try:
+        forward = rung.apply(module)
+        # One graph per static warmup shape: past dynamo's recompile limit (8) the rest would run eagerly,
+        # silently, both in the warmup and on live traffic.
+        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, len(batches))):
+            quality = _prove(rung.name, forward, batches, references, gate)
+    except Exception as exc:  # noqa: BLE001 -- any failure of an optimized rung means: next rung
         seconds = _since(started)
-        attempts.append(Attempt(rung.name, AttemptStatus.ACCEPTED, None, seconds))
-        logger.info("rung %s accepted: %d warmup batches ran and matched eager in %.1fs", rung.name,
-                    len(warmup_batches), seconds)
-        return LadderResult(active=rung.name, forward=forward, attempts=attempts)
-    # Reached only when the ladder has no eager rung (build_ladder always adds one).
-    attempts.append(Attempt(RungName.EAGER.value, AttemptStatus.ACCEPTED, "no other rung was accepted", 0.0))
-    return LadderResult(active=RungName.EAGER.value, forward=module, attempts=attempts)
+        logger.warning("rung %s (%s) failed after %.1fs; trying the next rung", rung.name, dtype.value, seconds,
+                       exc_info=True)
+        if isinstance(rung, CompileRung):
+            torch._dynamo.reset()  # drop half-built graphs so the next rung starts clean
+        quality = exc.quality if isinstance(exc, QualityError) else None
+        return Attempt(rung.name, AttemptStatus.FAILED, summarize(exc), seconds, dtype.value, quality), None
+    seconds = _since(started)
+    logger.info("rung %s accepted: %d warmup batches ran in %s, %s %.6f >= %g, in %.1fs", rung.name, len(batches),
+                dtype.value, quality.metric, quality.value, quality.threshold, seconds)
+    return Attempt(rung.name, AttemptStatus.ACCEPTED, None, seconds, dtype.value, quality), forward
 
 
-def _prove(name: str, forward: Forward, batches: Sequence[Batch], references: Sequence[Any], tol: Tolerance) -> None:
+def _prove(name: str, forward: Forward, batches: Sequence[Batch], references: Sequence[Any],
+           gate: QualityGate) -> Quality:
+    worst = float("inf")
     for index, (batch, expected) in enumerate(zip(batches, references, strict=True)):
         started = time.perf_counter()
         with torch.inference_mode():
-            actual = forward(**batch)
-            compare_outputs(actual, expected, tol)
-        shape = "x".join(str(d) for d in next(iter(batch.values())).shape)
-        logger.info("rung %s warmup %d/%d (shape %s) ok in %.2fs", name, index + 1, len(batches), shape,
+            worst = min(worst, gate.measure(forward(**batch), expected))
+        logger.info("rung %s warmup %d/%d (shape %s) ran in %.2fs", name, index + 1, len(batches), _shape(batch),
                     _since(started))
+    quality = Quality(gate.metric, worst, gate.threshold)
+    if not worst >= gate.threshold:  # also catches NaN
+        raise QualityError(f"{gate.metric} {worst:.6f} is below the gate's {gate.threshold:g}", quality)
+    return quality
 
 
-def compare_outputs(actual: Any, expected: Any, tol: Tolerance) -> None:
-    """Raise ParityError unless every tensor in ``actual`` is close to its twin in ``expected``."""
-    got, want = list(_tensors(actual)), list(_tensors(expected))
-    if len(got) != len(want):
-        raise ParityError(f"output structure differs: {len(got)} tensors vs eager's {len(want)}")
-    for position, (a, b) in enumerate(zip(got, want, strict=True)):
-        if a.shape != b.shape:
-            raise ParityError(f"output {position} has shape {tuple(a.shape)}, eager {tuple(b.shape)}")
-        a32, b32 = a.detach().float().cpu(), b.float().cpu()
-        if not torch.allclose(a32, b32, atol=tol.atol, rtol=tol.rtol, equal_nan=True):
-            worst = (a32 - b32).abs().nan_to_num(float("inf")).max().item()
-            raise ParityError(
-                f"output {position} differs from eager by up to {worst:.3g} (atol={tol.atol:g}, rtol={tol.rtol:g})"
-            )
-
-
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
+def tensors(output: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) output, in order."""
     if isinstance(output, torch.Tensor):
         yield output
     elif isinstance(output, Mapping):  # includes transformers' ModelOutput
         for value in output.values():
-            yield from _tensors(value)
+            yield from tensors(value)
     elif isinstance(output, (list, tuple)):
         for value in output:
-            yield from _tensors(value)
+            yield from tensors(value)
 
 
 def _detached(output: Any) -> Any:
-    return [t.detach().clone() for t in _tensors(output)]
+    return [t.detach().clone() for t in tensors(output)]
 
 
 def summarize(exc: BaseException, limit: int = 300) -> str:
@@ -240,31 +305,66 @@ def _since(started: float) -> float:
     return round(time.perf_counter() - started, 3)
 
 
-class GuardedForward:
-    """Runs the accepted rung on live batches; re-runs a failing batch eagerly, demotes after N failures."""
+class ShapeNotWarmed(InferenceError):
+    """After READY, a batch needed a new compile and the shape policy says ``after_ready: fail`` (500)."""
 
-    def __init__(self, result: LadderResult, eager: Forward, max_failures: int):
+
+# The one message torch gives under set_stance("fail_on_recompile"); tests/test_ladder.py pins it to torch.
+_RECOMPILE_REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+def is_refused_recompile(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc).startswith(_RECOMPILE_REFUSED)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class GuardedForward:
+    """Runs the accepted rung on live batches. A batch whose shape would need a new compile follows the
+    shape policy's stance; a failing optimized forward is re-run eagerly, and N failures demote to eager."""
+
+    def __init__(self, result: LadderResult, eager: Forward, max_failures: int,
+                 after_ready: AfterReady = AfterReady.EAGER):
         self._optimized = result.forward
         self._eager = eager
         self.accepted = result.active
         self.active = result.active
+        self.demoted = False
         self.max_failures = max_failures
+        self.after_ready = after_ready
         self.failures = 0
         self.last_failure: str | None = None
-
-    @property
-    def demoted(self) -> bool:
-        return self.active != self.accepted
+        self.eager_batches = 0  # unseen shapes served eagerly (after_ready: eager)
+        self.compiles = 0  # graphs compiled after READY (after_ready: compile)
 
     def __call__(self, **batch: torch.Tensor) -> Any:
         with torch.inference_mode():
-            if self.active == RungName.EAGER.value:
+            if self.demoted:
                 return self._eager(**batch)
+            graphs_before = compiled_graphs()
             try:
-                return self._optimized(**batch)
+                with self._stance():
+                    return self._optimized(**batch)
             except Exception as exc:  # noqa: BLE001 -- the client must get an answer; eager gives it
-                self._record_failure(exc)
+                if not is_refused_recompile(exc):
+                    self._record_failure(exc)
+                elif self.after_ready is AfterReady.FAIL:
+                    raise ShapeNotWarmed(f"input shape {_shape(batch)} was not warmed and shapes.after_ready is "
+                                         "fail; add it to pt2_handlers.shapes") from None
+                else:
+                    self.eager_batches += 1
+                    logger.info("shape %s was not warmed: served eagerly without compiling", _shape(batch))
+            finally:
+                self.compiles += compiled_graphs() - graphs_before
             return self._eager(**batch)
+
+    def _stance(self) -> Any:
+        if self.after_ready is AfterReady.COMPILE:
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("fail_on_recompile")
 
     def _record_failure(self, exc: Exception) -> None:
         self.failures += 1
@@ -274,8 +374,9 @@ class GuardedForward:
             self.active, self.failures, self.max_failures, exc_info=True,
         )
         if self.failures >= self.max_failures:
-            logger.error("rung %s failed %d live batches; demoting this worker to eager", self.active, self.failures)
-            self.active = RungName.EAGER.value
+            logger.error("rung %s failed %d live batches; demoting this worker to fp32 eager", self.active,
+                         self.failures)
+            self.active, self.demoted = RungName.EAGER.value, True
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -284,4 +385,11 @@ class GuardedForward:
             "max_runtime_failures": self.max_failures,
             "last_failure": self.last_failure,
             "demoted": self.demoted,
+            "after_ready": self.after_ready.value,
+            "compiles_after_ready": self.compiles,
+            "eager_batches": self.eager_batches,
         }
+
+
+def _shape(batch: Batch) -> str:
+    return "x".join(str(d) for d in next(iter(batch.values())).shape)

@@ -18,6 +18,7 @@ from ts.metrics.dimension import Dimension
 from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
+from handlers import compile_cache
 from handlers.config import load_config
 from handlers.engine import Engine
 from handlers.errors import HandlerError, InvalidInput
@@ -36,9 +37,11 @@ class Pt2Handler(BaseHandler):
 
     def initialize(self, context: Any) -> None:
         properties = context.system_properties
+        # Before the config is validated: validating imports torch._dynamo, which dies on an unusable cache dir.
+        cache = compile_cache.prepare(compile_cache.configured_dir(context.model_yaml_config))
         config = load_config(context.model_yaml_config)
         self.device = _device(properties.get("gpu_id"))
-        self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name)
+        self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name, cache)
         self.engine.load()
         for attempt in self.engine.attempts:
             _count(context, "Pt2RungAttempts", 1, Rung=attempt.rung, Status=attempt.status.value)

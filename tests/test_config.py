@@ -6,16 +6,12 @@ import copy
 
 import pytest
 
-from handlers.config import (
-    DEFAULT_TOLERANCE,
-    CompileSpec,
-    DType,
-    HandlerSettings,
-    RungName,
-    Tolerance,
-    load_config,
-)
+import torch
+
+from handlers.config import CompileSpec, DType, HandlerSettings, RungName, load_config
 from handlers.errors import ConfigError
+from handlers.hardware import resolve_dtype, resolve_threads
+from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
 
 
 def test_no_pt2_section_means_no_compile_and_default_settings():
@@ -82,7 +78,7 @@ def test_custom_backend_as_module_function():
 
 def test_the_input_mapping_is_never_mutated():
     raw = {"pt2": {"compile": {"enable": True, "options": {"epilogue_fusion": True}}},
-           "pt2_handlers": {"ladder": ["compile"], "warmup": {"batch_sizes": [1]}}}
+           "pt2_handlers": {"ladder": ["compile"], "shapes": {"batch_sizes": [1]}, "quality_gate": {"min_cosine": 0.9}}}
     before = copy.deepcopy(raw)
     config = load_config(raw)
     config.compile.kwargs()["options"]["epilogue_fusion"] = False
@@ -114,16 +110,31 @@ def test_the_input_mapping_is_never_mutated():
         ({"pt2": {"export": {"aot_compile": True}}}, r"pt2.export .* is not supported"),
         ({"pt2_handlers": {"task": "translation"}},
          r"pt2_handlers.task: unknown task 'translation'; use one of: embeddings"),
-        ({"pt2_handlers": {"dtype": "float8"}}, r"pt2_handlers.dtype: 'float8' is not allowed; use one of: float32"),
+        ({"pt2_handlers": {"dtype": "float8"}},
+         r"pt2_handlers.dtype: 'float8' is not allowed; use one of: auto, float32"),
         ({"pt2_handlers": {"ladder": ["compile", "tensorrt"]}}, r"unknown rung 'tensorrt'; use some of: compile"),
         ({"pt2_handlers": {"ladder": ["eager", "compile"]}}, r"eager is the last resort and must come last"),
         ({"pt2_handlers": {"ladder": ["compile", "compile"]}}, r"each rung may appear once"),
         ({"pt2_handlers": {"max_length": 0}}, r"pt2_handlers.max_length must be a positive integer, got 0"),
         ({"pt2_handlers": {"max_length": True}}, r"pt2_handlers.max_length must be int, got bool"),
-        ({"pt2_handlers": {"warmup": {"batch_sizes": []}}}, r"warmup.batch_sizes must be a non-empty list"),
-        ({"pt2_handlers": {"warmup": {"seq_lengths": [16, -1]}}}, r"warmup.seq_lengths must be a non-empty list"),
-        ({"pt2_handlers": {"warmup": {"shapes": [1]}}}, r"pt2_handlers.warmup: unknown key\(s\) shapes"),
-        ({"pt2_handlers": {"parity": {"atol": -1, "rtol": 0}}}, r"pt2_handlers.parity.atol must be a number >= 0"),
+        ({"pt2_handlers": {"shapes": {"batch_sizes": []}}}, r"shapes.batch_sizes must be a non-empty list"),
+        ({"pt2_handlers": {"shapes": {"seq_lengths": [16, -1]}}}, r"shapes.seq_lengths must be a non-empty list"),
+        ({"pt2_handlers": {"shapes": {"buckets": [1]}}}, r"pt2_handlers.shapes: unknown key\(s\) buckets"),
+        ({"pt2_handlers": {"shapes": {"policy": "static"}}},
+         r"shapes.policy: 'static' is not allowed; use one of: buckets"),
+        ({"pt2_handlers": {"shapes": {"after_ready": "ignore"}}},
+         r"after_ready: 'ignore' is not allowed; use one of: eager"),
+        ({"pt2_handlers": {"shapes": {"policy": "dynamic", "batch_sizes": [4, 8]}}},
+         r"the dynamic policy warms batch size 1 and one >= 2"),
+        ({"pt2": {"compile": {"enable": True, "dynamic": False}}, "pt2_handlers": {"shapes": {"policy": "dynamic"}}},
+         r"pt2.compile.dynamic: false contradicts pt2_handlers.shapes.policy: dynamic"),
+        ({"pt2_handlers": {"quality_gate": {"min_cosine": 2}}}, r"quality_gate.min_cosine is a cosine in \[-1, 1\]"),
+        ({"pt2_handlers": {"quality_gate": {"atol": 0.1}}},
+         r"quality_gate: unknown key\(s\) atol; allowed: min_cosine"),
+        ({"pt2_handlers": {"threads": 0}}, r"pt2_handlers.threads must be a positive integer"),
+        ({"pt2_handlers": {"threads": "many"}}, r"pt2_handlers.threads must be int"),
+        ({"pt2_handlers": {"compile_cache": 3}}, r"pt2_handlers.compile_cache must be str"),
+        ({"minWorkers": 0}, r"minWorkers must be a positive integer"),
         ({"pt2_handlers": {"max_runtime_failure": 3}}, r"pt2_handlers: unknown key\(s\) max_runtime_failure"),
         ({"pt2_handlers": "embeddings"}, r"pt2_handlers must be a mapping, got str"),
     ],
@@ -136,23 +147,71 @@ def test_invalid_configs_name_the_key_and_what_is_allowed(raw, message):
 def test_settings_section_with_every_key():
     settings = load_config({"pt2_handlers": {
         "task": "embeddings", "model_dir": "weights", "max_length": 128, "dtype": "bfloat16",
-        "ladder": ["safe_compile", "eager"], "warmup": {"batch_sizes": [1, 8], "seq_lengths": [32]},
-        "parity": {"atol": 0.1, "rtol": 0}, "max_runtime_failures": 5, "max_inputs_per_request": 8,
+        "ladder": ["safe_compile", "eager"], "shapes": {"policy": "buckets", "batch_sizes": [1, 8],
+                                                       "seq_lengths": [32], "after_ready": "fail"},
+        "quality_gate": {"min_cosine": 0.99, "min_cosine_half": 0.98}, "freezing": False, "threads": 3,
+        "compile_cache": "/srv/cache", "max_runtime_failures": 5, "max_inputs_per_request": 8,
     }}).settings
     assert settings.model_dir == "weights" and settings.max_length == 128
     assert settings.dtype is DType.BFLOAT16
     assert settings.ladder == (RungName.SAFE_COMPILE, RungName.EAGER)
-    assert settings.warmup.shapes() == [(1, 32), (8, 32)]
-    assert settings.tolerance == Tolerance(atol=0.1, rtol=0.0)
+    assert settings.shapes == ShapePolicy(PolicyKind.BUCKETS, (1, 8), (32,), AfterReady.FAIL)
+    assert settings.shapes.warmup_shapes() == [(1, 32), (8, 32)]
+    assert dict(settings.quality_gate) == {"min_cosine": 0.99, "min_cosine_half": 0.98}
+    assert (settings.freezing, settings.threads, settings.compile_cache) == (False, 3, "/srv/cache")
     assert (settings.max_runtime_failures, settings.max_inputs_per_request) == (5, 8)
 
 
-def test_tolerance_defaults_per_dtype():
-    assert load_config({"pt2_handlers": {"dtype": "float16"}}).settings.tolerance == DEFAULT_TOLERANCE[DType.FLOAT16]
-    assert HandlerSettings().tolerance == DEFAULT_TOLERANCE[DType.FLOAT32]
+def test_defaults_are_the_cpu_fast_path():
+    settings = HandlerSettings()
+    assert settings.dtype is DType.AUTO and settings.freezing and settings.threads is None
+    assert settings.shapes.after_ready is AfterReady.EAGER
+    assert load_config({"pt2_handlers": {"threads": "auto"}}).settings.threads is None
+
+
+def test_shape_policy_follows_pt2_dynamic_when_not_given():
+    assert load_config({"pt2": {"compile": {"enable": True, "dynamic": True}}}).settings.shapes.dynamic
+    assert load_config({"pt2": {"compile": {"enable": True}}}).settings.shapes.kind is PolicyKind.BUCKETS
+
+
+def test_served_compile_adds_freezing_and_spells_the_mode_as_options():
+    config = load_config({"pt2": {"compile": {"enable": True, "mode": "reduce-overhead"}}})
+    kwargs = config.served_compile.kwargs()
+    assert "mode" not in kwargs and kwargs["dynamic"] is False
+    assert kwargs["options"]["freezing"] is True and kwargs["options"]["triton.cudagraphs"] is True
+    unfrozen = load_config({"pt2": {"compile": {"enable": True, "mode": "reduce-overhead"}},
+                            "pt2_handlers": {"freezing": False}}).served_compile.kwargs()
+    assert unfrozen["mode"] == "reduce-overhead" and "options" not in unfrozen
+    eager_backend = load_config({"pt2": {"compile": {"enable": True, "backend": "eager"}}}).served_compile
+    assert eager_backend.freezing is False  # freezing is an inductor pass
+
+
+def test_dtype_auto_follows_the_cpu(monkeypatch):
+    import handlers.hardware as hardware
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype(DType.FLOAT16, cpu).value is DType.FLOAT16
+    monkeypatch.setattr(hardware, "cpu_features", lambda: {"amx_bf16": False, "avx512_bf16": True})
+    assert resolve_dtype(DType.AUTO, cpu).value is DType.BFLOAT16
+    assert "avx512_bf16" in resolve_dtype(DType.AUTO, cpu).reason
+    monkeypatch.setattr(hardware, "cpu_features", lambda: {"amx_bf16": False, "avx512_bf16": False})
+    assert resolve_dtype(DType.AUTO, cpu).value is DType.FLOAT32
+
+
+def test_threads_share_the_cores_among_workers(monkeypatch):
+    import handlers.hardware as hardware
+
+    monkeypatch.setattr(hardware, "available_cores", lambda: 2)
+    cpu = torch.device("cpu")
+    assert resolve_threads(None, 1, cpu).value == 2
+    assert resolve_threads(None, 2, cpu).value == 1  # two workers on two cores: one thread each
+    assert resolve_threads(None, 4, cpu).value == 1
+    assert resolve_threads(3, 2, cpu).value == 3
+    assert load_config({"minWorkers": 2}).workers == 2
 
 
 def test_safer_compile_drops_the_risky_parts():
     spec = CompileSpec(enabled=True, backend="tests.faulty_backends:raise_on_compile", mode=None, dynamic=True,
                        fullgraph=True)
-    assert spec.safer() == CompileSpec(enabled=True, backend="inductor")
+    assert spec.safer() == CompileSpec(enabled=True, backend="inductor", dynamic=True)
+    assert spec.with_shapes(dynamic=False, freezing=True).safer().freezing is False

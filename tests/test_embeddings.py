@@ -11,10 +11,10 @@ import torch
 
 from handlers.config import load_config
 from handlers.engine import Engine, State
-from handlers.errors import ConfigError, InvalidInput, ModelLoadError, ModelNotReady
+from handlers.errors import InvalidInput, ModelLoadError, ModelNotReady
 
-EAGER_ONLY = {"pt2_handlers": {"ladder": ["eager"], "warmup": {"batch_sizes": [1, 2], "seq_lengths": [8]},
-                               "max_inputs_per_request": 4}}
+EAGER_ONLY = {"pt2_handlers": {"ladder": ["eager"], "dtype": "float32",
+                               "shapes": {"batch_sizes": [1, 2], "seq_lengths": [8]}, "max_inputs_per_request": 4}}
 
 
 def make_engine(model_dir: Path, raw=None, name="tiny") -> Engine:
@@ -135,10 +135,13 @@ def test_not_a_model_directory(tmp_path):
         make_engine(tmp_path).load()
 
 
-def test_warmup_longer_than_max_length_is_a_config_error(tiny_bert_dir):
-    raw = {"pt2_handlers": {"ladder": ["eager"], "max_length": 16, "warmup": {"seq_lengths": [32]}}}
-    with pytest.raises(ConfigError, match=r"warmup.seq_lengths \[32\] exceed max_length 16"):
-        make_engine(tiny_bert_dir, raw).load()
+def test_buckets_are_fitted_to_max_length(tiny_bert_dir):
+    raw = {"pt2_handlers": {"ladder": ["eager"], "dtype": "float32", "max_length": 16,
+                            "shapes": {"batch_sizes": [2, 1], "seq_lengths": [8, 32]}}}
+    engine = make_engine(tiny_bert_dir, raw)
+    engine.load()
+    assert engine.describe()["optimization"]["shapes"]["seq_lengths"] == [8, 16]
+    assert engine.describe()["optimization"]["shapes"]["batch_sizes"] == [1, 2]
 
 
 def test_max_length_beyond_the_model_is_refused(tiny_bert_dir):
@@ -148,7 +151,7 @@ def test_max_length_beyond_the_model_is_refused(tiny_bert_dir):
 
 def test_long_texts_are_truncated_to_max_length(tiny_bert_dir):
     engine = make_engine(tiny_bert_dir, {"pt2_handlers": {"ladder": ["eager"], "max_length": 16,
-                                                          "warmup": {"seq_lengths": [16]}}})
+                                                          "shapes": {"seq_lengths": [16]}}})
     engine.load()
     answer = engine.predict([{"input": "word " * 500}])[0]
     assert answer["usage"]["prompt_tokens"] == 16
@@ -157,8 +160,8 @@ def test_long_texts_are_truncated_to_max_length(tiny_bert_dir):
 def test_compiled_tiny_model_with_live_fallback(tiny_bert_dir):
     """A compile rung whose forward starts failing on live traffic: answers stay right, then it demotes."""
     raw = {"pt2": {"compile": {"enable": True, "backend": "aot_eager"}},
-           "pt2_handlers": {"ladder": ["compile"], "max_runtime_failures": 1,
-                            "warmup": {"batch_sizes": [1], "seq_lengths": [8]}}}
+           "pt2_handlers": {"ladder": ["compile"], "max_runtime_failures": 1, "dtype": "float32",
+                            "shapes": {"batch_sizes": [1], "seq_lengths": [8, 128]}}}
     engine = make_engine(tiny_bert_dir, raw)
     engine.load()
     assert engine.active_rung == "compile"
@@ -168,3 +171,39 @@ def test_compiled_tiny_model_with_live_fallback(tiny_bert_dir):
     torch.testing.assert_close(torch.tensor(again), torch.tensor(good), atol=1e-5, rtol=1e-4)
     assert engine.active_rung == "eager" and engine.runtime_failures == 1
     assert engine.describe()["optimization"]["runtime"]["demoted"] is True
+
+
+BUCKETS = {"pt2": {"compile": {"enable": True, "backend": "aot_eager"}},
+           "pt2_handlers": {"ladder": ["compile"], "dtype": "float32", "max_inputs_per_request": 8,
+                            "shapes": {"policy": "buckets", "batch_sizes": [1, 2, 4], "seq_lengths": [8, 16, 32],
+                                       "after_ready": "fail"}}}
+
+
+def test_bucket_padding_never_changes_an_answer(tiny_bert_dir):
+    """Every batch size 1..6 (chunked past the largest bucket) and lengths across every bucket, served by a
+    compiled rung that refuses any unwarmed shape: each answer equals the unpadded reference."""
+    engine = make_engine(tiny_bert_dir, BUCKETS)
+    engine.load()
+    assert engine.active_rung == "compile"
+    texts = ["hi", "a few more words here", "word " * 12, "a sentence of medium length about trains", "x " * 40,
+             "the last one"]  # 3 to 42 tokens: buckets 8, 16, 32 and max_length (128)
+    want = reference(tiny_bert_dir, texts)
+    for rows in range(1, len(texts) + 1):
+        answer = engine.predict([{"inputs": texts[:rows]}])[0]
+        torch.testing.assert_close(torch.tensor(answer["embeddings"]), want[:rows], atol=1e-5, rtol=1e-4)
+    runtime = engine.describe()["optimization"]["runtime"]
+    assert (runtime["compiles_after_ready"], runtime["eager_batches"], runtime["runtime_failures"]) == (0, 0, 0)
+
+
+def test_bf16_serving_is_gated_against_fp32(tiny_bert_dir):
+    raw = {"pt2_handlers": {"ladder": ["eager"], "dtype": "bfloat16",
+                            "shapes": {"batch_sizes": [1, 2], "seq_lengths": [8]}}}
+    engine = make_engine(tiny_bert_dir, raw)
+    engine.load()
+    optimization = engine.describe()["optimization"]
+    attempt = optimization["attempts"][0]
+    assert (optimization["active"], optimization["dtype"]) == ("eager", "bfloat16")
+    assert attempt["quality"]["metric"] == "min_cosine" and attempt["quality"]["value"] >= 0.999
+    want = reference(tiny_bert_dir, ["hello there"])
+    got = torch.tensor(engine.predict([{"text": "hello there"}])[0]["embedding"])
+    assert torch.nn.functional.cosine_similarity(got, want[0], dim=0) >= 0.999

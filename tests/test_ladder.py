@@ -9,21 +9,30 @@ import textwrap
 import pytest
 import torch
 
-from handlers.config import CompileSpec, DType, RungName, Tolerance, load_config
+from handlers.config import CompileSpec, DType, RungName, load_config
 from handlers.ladder import (
     AttemptStatus,
     CompileRung,
     EagerRung,
     GuardedForward,
     IpexRung,
-    ParityError,
+    QualityError,
     Rung,
+    ShapeNotWarmed,
     build_ladder,
-    compare_outputs,
+    compiled_graphs,
+    is_refused_recompile,
     run_ladder,
 )
+from handlers.shapes import AfterReady
+from handlers.tasks.embeddings import CosineGate
 
-TOL = Tolerance(atol=1e-4, rtol=1e-3)
+GATE = CosineGate(0.9999)
+
+
+def ladder(net, rungs, batches, gate=GATE):
+    """The fp32 ladder: the serving module is the reference itself."""
+    return run_ladder(net, net, DType.FLOAT32, rungs, batches, gate)
 
 
 class SmallNet(torch.nn.Module):
@@ -34,7 +43,7 @@ class SmallNet(torch.nn.Module):
         self.down = torch.nn.Linear(16, 4)
 
     def forward(self, x):
-        return self.down(torch.nn.functional.gelu(self.up(x)))
+        return self.down(torch.nn.functional.gelu(self.up(x.to(self.up.weight.dtype))))
 
 
 @pytest.fixture
@@ -81,14 +90,14 @@ def eager_out(net, batch):
     [
         ("apply", "RuntimeError: boom at compile"),
         ("first_forward", "RuntimeError: boom on call 1"),
-        ("wrong", "ParityError: output 0 differs from eager by up to 0.5 (atol=0.0001, rtol=0.001)"),
+        ("wrong", "QualityError: min_cosine "),
     ],
 )
 def test_a_failing_rung_hands_over_to_the_next(net, batches, fail_at, reason):
-    result = run_ladder(net, [FaultyRung("compile", fail_at), FaultyRung("safe_compile"), EagerRung()], batches, TOL)
+    result = ladder(net, [FaultyRung("compile", fail_at), FaultyRung("safe_compile"), EagerRung()], batches)
     assert result.active == "safe_compile"
     first, second = result.attempts
-    assert (first.rung, first.status, first.reason) == ("compile", AttemptStatus.FAILED, reason)
+    assert (first.rung, first.status) == ("compile", AttemptStatus.FAILED) and first.reason.startswith(reason)
     assert (second.rung, second.status, second.reason) == ("safe_compile", AttemptStatus.ACCEPTED, None)
     assert all(a.seconds >= 0 for a in result.attempts)
     for batch in batches:
@@ -98,20 +107,20 @@ def test_a_failing_rung_hands_over_to_the_next(net, batches, fail_at, reason):
 def test_everything_failing_ends_on_eager(net, batches):
     rungs = [FaultyRung("compile", "apply"), FaultyRung("safe_compile", "wrong"), FaultyRung("ipex", "first_forward"),
              EagerRung()]
-    result = run_ladder(net, rungs, batches, TOL)
+    result = ladder(net, rungs, batches)
     assert result.active == "eager"
     assert [a.status for a in result.attempts] == [AttemptStatus.FAILED] * 3 + [AttemptStatus.ACCEPTED]
     assert result.forward is net
 
 
 def test_ladder_without_an_eager_rung_still_falls_back_to_eager(net, batches):
-    result = run_ladder(net, [FaultyRung("compile", "apply")], batches, TOL)
+    result = ladder(net, [FaultyRung("compile", "apply")], batches)
     assert result.active == "eager" and result.forward is net
 
 
 def test_live_failure_on_the_third_batch_is_answered_eagerly_then_demotes(net, batches, caplog):
     rung = FaultyRung("compile", fail_on_call=len(batches) + 3)  # warmup uses the first calls
-    result = run_ladder(net, [rung, EagerRung()], batches, TOL)
+    result = ladder(net, [rung, EagerRung()], batches)
     assert result.active == "compile"
     guard = GuardedForward(result, net, max_failures=2)
     live = batches[0]
@@ -131,12 +140,13 @@ def test_live_failure_on_the_third_batch_is_answered_eagerly_then_demotes(net, b
     torch.testing.assert_close(guard(**live), expected)
     assert rung.calls == calls, "a demoted guard must not call the optimized rung again"
     assert guard.describe() == {"accepted": "compile", "runtime_failures": 2, "max_runtime_failures": 2,
-                                "last_failure": guard.last_failure, "demoted": True}
+                                "last_failure": guard.last_failure, "demoted": True, "after_ready": "eager",
+                                "compiles_after_ready": 0, "eager_batches": 0}
 
 
 def test_guard_raises_when_eager_fails_too(net):
     rung = FaultyRung("compile", fail_on_call=2)
-    result = run_ladder(net, [rung], [{"x": torch.zeros(1, 8)}], TOL)
+    result = ladder(net, [rung], [{"x": torch.zeros(1, 8)}])
     guard = GuardedForward(result, net, max_failures=3)
     with pytest.raises(RuntimeError):
         guard(x=torch.zeros(1, 5))  # wrong width: optimized and eager both fail
@@ -147,7 +157,7 @@ def test_real_compile_with_a_backend_that_raises_at_first_forward(net, batches):
                                             "backend": "tests.faulty_backends:raise_on_compile"}}}).compile
     compiled = CompileRung("compile", spec).apply(net)  # lazy: nothing fails yet
     assert compiled is not None
-    result = run_ladder(net, [CompileRung("compile", spec), EagerRung()], batches, TOL)
+    result = ladder(net, [CompileRung("compile", spec), EagerRung()], batches)
     assert result.active == "eager"
     assert result.attempts[0].status is AttemptStatus.FAILED
     assert "injected failure" in result.attempts[0].reason
@@ -155,14 +165,15 @@ def test_real_compile_with_a_backend_that_raises_at_first_forward(net, batches):
 
 def test_real_compile_with_a_backend_that_returns_wrong_numbers(net, batches):
     spec = CompileSpec(enabled=True, backend="tests.faulty_backends:wrong_numbers")
-    result = run_ladder(net, [CompileRung("compile", spec), EagerRung()], batches, TOL)
+    result = ladder(net, [CompileRung("compile", spec), EagerRung()], batches)
     assert result.active == "eager"
-    assert result.attempts[0].reason.startswith("ParityError: output 0 differs from eager")
+    assert result.attempts[0].reason.startswith("QualityError: min_cosine")
+    assert result.attempts[0].quality.value < 0.9999 and result.attempts[0].quality.threshold == 0.9999
 
 
 def test_real_inductor_compile_is_accepted(net, batches):
     spec = CompileSpec(enabled=True, backend="inductor", mode="reduce-overhead")
-    result = run_ladder(net, [CompileRung("compile", spec), EagerRung()], batches, TOL)
+    result = ladder(net, [CompileRung("compile", spec), EagerRung()], batches)
     assert result.active == "compile", result.attempts
     fresh = {"x": torch.randn(4, 8)}
     with torch.inference_mode():
@@ -171,7 +182,7 @@ def test_real_inductor_compile_is_accepted(net, batches):
 
 def test_build_ladder_skips_what_cannot_run(net, batches):
     config = load_config({"pt2": {"compile": {"enable": False}}})
-    result = run_ladder(net, build_ladder(config, torch.device("cpu")), batches, TOL)
+    result = ladder(net, build_ladder(config, torch.device("cpu"), DType.FLOAT32), batches)
     skipped = {a.rung: a.reason for a in result.attempts if a.status is AttemptStatus.SKIPPED}
     assert skipped["compile"] == skipped["safe_compile"] == "pt2.compile.enable is not true"
     assert "intel_extension_for_pytorch is not installed" in skipped["ipex"]
@@ -179,8 +190,8 @@ def test_build_ladder_skips_what_cannot_run(net, batches):
 
 
 def test_safe_compile_identical_to_the_request_is_skipped():
-    config = load_config({"pt2": {"compile": {"enable": True}}})
-    rungs = build_ladder(config, torch.device("cpu"))
+    config = load_config({"pt2": {"compile": {"enable": True}}, "pt2_handlers": {"freezing": False}})
+    rungs = build_ladder(config, torch.device("cpu"), DType.FLOAT32)
     assert [r.name for r in rungs] == ["compile", "safe_compile", "ipex", "eager"]
     assert rungs[1].unavailable_reason() == "identical to the compile rung"
 
@@ -200,19 +211,89 @@ def test_a_broken_ipex_install_is_skipped_not_fatal(tmp_path, monkeypatch, net, 
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "intel_extension_for_pytorch", raising=False)
-    result = run_ladder(net, [IpexRung(torch.device("cpu"), DType.FLOAT32), EagerRung()], batches, TOL)
+    result = ladder(net, [IpexRung(torch.device("cpu"), DType.FLOAT32), EagerRung()], batches)
     ipex = result.attempts[0]
     assert ipex.status is AttemptStatus.SKIPPED
     assert "failed to import" in ipex.reason and "AttributeError" in ipex.reason
     assert result.active == RungName.EAGER.value
 
 
-def test_compare_outputs_checks_structure_shape_and_values():
-    a = {"x": torch.ones(2, 3), "y": (torch.zeros(1),)}
-    compare_outputs(a, {"x": torch.ones(2, 3), "y": (torch.zeros(1),)}, TOL)
-    with pytest.raises(ParityError, match="structure differs"):
-        compare_outputs(a, {"x": torch.ones(2, 3)}, TOL)
-    with pytest.raises(ParityError, match=r"shape \(2, 3\), eager \(3, 2\)"):
-        compare_outputs(torch.ones(2, 3), torch.ones(3, 2), TOL)
-    with pytest.raises(ParityError, match="differs from eager by up to inf"):
-        compare_outputs(torch.tensor([float("nan")]), torch.tensor([1.0]), TOL)
+def test_cosine_gate_checks_shape_and_nan():
+    assert GATE.measure(torch.ones(2, 3), [torch.ones(2, 3)]) == pytest.approx(1.0)
+    with pytest.raises(QualityError, match=r"shape \(2, 3\), fp32 eager \(3, 2\)"):
+        GATE.measure(torch.ones(2, 3), [torch.ones(3, 2)])
+    assert GATE.measure(torch.tensor([[float("nan"), 1.0]]), [torch.ones(1, 2)]) == -1.0
+
+
+def test_a_bf16_rung_is_judged_against_fp32_eager_and_recorded(net, batches):
+    serving = SmallNet().eval().to(torch.bfloat16)
+    result = run_ladder(net, serving, DType.BFLOAT16, [EagerRung()], batches, CosineGate(0.999))
+    assert (result.active, result.dtype) == ("eager", DType.BFLOAT16)
+    attempt = result.attempts[0]
+    assert attempt.dtype == "bfloat16" and 0.999 <= attempt.quality.value < 1.0
+    assert attempt.to_json()["quality"]["metric"] == "min_cosine"
+
+
+def test_half_rungs_that_lose_the_answers_end_on_fp32_eager(net, batches):
+    serving = SmallNet().eval().to(torch.bfloat16)
+    strict = CosineGate(0.9999999)  # bf16 cannot keep 7 nines
+    result = run_ladder(net, serving, DType.BFLOAT16, [FaultyRung("compile"), EagerRung()], batches, strict)
+    assert [(a.rung, a.status, a.dtype) for a in result.attempts] == [
+        ("compile", AttemptStatus.FAILED, "bfloat16"), ("eager", AttemptStatus.FAILED, "bfloat16"),
+        ("eager", AttemptStatus.ACCEPTED, "float32")]
+    assert "no rung kept the answers in bfloat16" in result.attempts[-1].reason
+    assert result.forward is net and result.dtype is DType.FLOAT32
+
+
+def static_compile(net, shapes):
+    """A static compile (cheap eager backend) proven on one batch per shape."""
+    batches = [{"x": torch.randn(rows, 8)} for rows in shapes]
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    result = ladder(net, [CompileRung("compile", spec), EagerRung()], batches)
+    assert result.active == "compile", result.attempts
+    return result
+
+
+def test_more_static_shapes_than_the_recompile_limit_are_all_compiled(net):
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    result = static_compile(net, range(1, 13))  # 12 shapes > dynamo's default limit of 8
+    assert compiled_graphs() - before == 12
+    guard = GuardedForward(result, net, max_failures=1, after_ready=AfterReady.FAIL)
+    for rows in range(1, 13):  # every warmed shape is served compiled: none is refused
+        guard(x=torch.randn(rows, 8))
+    assert guard.describe()["compiles_after_ready"] == 0 and guard.failures == 0
+
+
+@pytest.mark.parametrize("after_ready", list(AfterReady))
+def test_after_ready_stance_for_an_unseen_shape(net, after_ready):
+    torch._dynamo.reset()
+    guard = GuardedForward(static_compile(net, [1, 2]), net, max_failures=1, after_ready=after_ready)
+    unseen = {"x": torch.randn(5, 8)}
+    if after_ready is AfterReady.FAIL:
+        with pytest.raises(ShapeNotWarmed, match=r"input shape 5x8 was not warmed"):
+            guard(**unseen)
+        return
+    torch.testing.assert_close(guard(**unseen), eager_out(net, unseen))
+    described = guard.describe()
+    assert (described["eager_batches"], described["compiles_after_ready"]) == (
+        (1, 0) if after_ready is AfterReady.EAGER else (0, 1))
+    assert guard.failures == 0 and not guard.demoted
+
+
+def test_the_refused_recompile_message_is_the_one_torch_raises(net):
+    """is_refused_recompile reads torch's message; a torch upgrade that changes it must fail here."""
+    torch._dynamo.reset()
+    compiled = torch.compile(net, backend="eager", dynamic=False)
+    compiled(torch.randn(1, 8))
+    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError) as caught:
+        compiled(torch.randn(3, 8))
+    assert is_refused_recompile(caught.value)
+    assert not is_refused_recompile(RuntimeError("boom"))
+
+
+def test_reduce_overhead_on_cpu_says_there_are_no_cuda_graphs(net):
+    spec = CompileSpec(enabled=True, mode="reduce-overhead")
+    assert CompileRung("compile", spec).notes(torch.device("cpu")) == [
+        "mode reduce-overhead: no CUDA graphs on cpu; inductor compiles without them"]
+    assert CompileRung("compile", spec).notes(torch.device("cuda", 0)) == []

@@ -37,6 +37,7 @@ def test_requested_compile_is_proven_and_active(compiled_engine):
     assert (first["rung"], first["status"]) == ("compile", "accepted")
     assert first["seconds"] > 0
     assert optimization["requested_compile"]["mode"] == "reduce-overhead"
+    assert first["quality"]["value"] >= first["quality"]["threshold"]
 
 
 @pytest.mark.slow
@@ -48,5 +49,5 @@ def test_compiled_embeddings_equal_sentence_transformers(compiled_engine, minilm
     answers = compiled_engine.predict([{"inputs": TEXTS[:2]}, {"text": TEXTS[2]}, TEXTS[3]])
     got = torch.tensor(answers[0]["embeddings"] + [answers[1]["embedding"], answers[2]["embedding"]])
     cosine = torch.nn.functional.cosine_similarity(got, want.cpu(), dim=1)
-    assert cosine.min().item() >= 0.9999, cosine
+    assert cosine.min().item() >= 0.999, cosine  # the gate's bar for bf16 (dtype auto) against fp32
     assert compiled_engine.runtime_failures == 0

@@ -13,16 +13,25 @@ from typing import Any, ClassVar
 
 import torch
 
+from handlers.config import DType
 from handlers.errors import InvalidInput
+from handlers.ladder import QualityGate
 
 WARMUP_WORDS = "the quick brown fox jumps over the lazy dog while a cat watches from the warm window".split()
 
 
 class Task(ABC):
-    """One task. Subclasses set ``name`` and ``model_class`` and implement the four hooks."""
+    """One task. Subclasses set ``name``, ``model_class`` and ``gate_keys``, and implement the hooks."""
 
     name: ClassVar[str]
     model_class: ClassVar[Any]  # a transformers Auto* class
+    gate_keys: ClassVar[tuple[str, ...]]  # the keys this task reads from pt2_handlers.quality_gate
+
+    @classmethod
+    @abstractmethod
+    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> QualityGate:
+        """The acceptance metric for a rung serving in ``dtype``, with configured thresholds applied;
+        ConfigError for a threshold out of range."""
 
     def __init__(self, tokenizer: Any, max_length: int, max_inputs: int, model_name: str):
         self.tokenizer = tokenizer
@@ -45,6 +54,11 @@ class Task(ABC):
     @abstractmethod
     def postprocess(self, outputs: Any, inputs: Mapping[str, torch.Tensor], requests: Sequence[Any]) -> list[Any]:
         """Split the batch outputs into one JSON-serializable answer per request."""
+
+    @property
+    def pad_values(self) -> dict[str, int]:
+        """What each model input is padded with when the shape policy pads a batch up to a bucket."""
+        return {"input_ids": self.tokenizer.pad_token_id or 0, "attention_mask": 0, "token_type_ids": 0}
 
     def tokenize(self, texts: list[str], **kwargs: Any) -> dict[str, torch.Tensor]:
         encoded = self.tokenizer(

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import transformers
 
-from handlers.errors import InvalidInput
+from handlers.config import DType
+from handlers.errors import ConfigError, InvalidInput
+from handlers.ladder import QualityError, QualityGate, tensors
 from handlers.tasks.base import Task, decode_body
 
 # Keys OpenAI clients send beside "input"; only what changes the answer is checked.
@@ -50,9 +52,39 @@ class MeanPooledEmbedder(torch.nn.Module):
         return torch.nn.functional.normalize(pooled, p=2, dim=1)
 
 
+class CosineGate(QualityGate):
+    """The smallest cosine similarity between a served embedding and fp32 eager's, over all rows."""
+
+    metric = "min_cosine"
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def measure(self, actual: Any, expected: Any) -> float:
+        (got,), (want,) = list(tensors(actual)), list(tensors(expected))
+        if got.shape != want.shape:
+            raise QualityError(f"embeddings have shape {tuple(got.shape)}, fp32 eager {tuple(want.shape)}")
+        cosine = torch.nn.functional.cosine_similarity(got.detach().float().cpu(), want.float().cpu(), dim=-1)
+        return cosine.nan_to_num(-1.0).min().item()
+
+
+# fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits, enough for 3 nines of cosine.
+DEFAULT_MIN_COSINE = {DType.FLOAT32: 0.9999, DType.BFLOAT16: 0.999, DType.FLOAT16: 0.999}
+
+
 class EmbeddingsTask(Task):
     name = "embeddings"
     model_class = transformers.AutoModel
+    gate_keys = ("min_cosine", "min_cosine_half")
+
+    @classmethod
+    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> CosineGate:
+        """``min_cosine`` applies to fp32 rungs, ``min_cosine_half`` to bf16/fp16 rungs."""
+        for key, value in overrides.items():
+            if not -1.0 <= value <= 1.0:
+                raise ConfigError(f"pt2_handlers.quality_gate.{key} is a cosine in [-1, 1], got {value!r}")
+        key = "min_cosine" if dtype is DType.FLOAT32 else "min_cosine_half"
+        return CosineGate(overrides.get(key, DEFAULT_MIN_COSINE[dtype]))
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         return MeanPooledEmbedder(model).eval()

@@ -1,0 +1,132 @@
+"""The shape policy: which input shapes a compiled model sees, and what happens to the others.
+
+* ``buckets``: every batch is padded up to a configured (batch, sequence) bucket, each bucket is compiled
+  statically and warmed before READY, and the outputs are sliced back to the real rows. A batch with more
+  rows than the largest batch bucket is served in chunks. Static shapes give the fastest CPU kernels.
+* ``dynamic``: batch and sequence dimensions are symbolic; the warmup runs size 1 (which torch
+  specializes) and sizes >= 2, so one graph serves every later size without compiling.
+
+``after_ready`` decides what an unseen shape does once the worker is READY: served eagerly without
+compiling (``eager``), refused (``fail``), or compiled on the spot (``compile``).
+
+The engine asks "which padded shape serves this batch?", the ladder "which shapes must be warmed?".
+Tensors only: no TorchServe, no config parsing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+
+class PolicyKind(str, enum.Enum):
+    BUCKETS = "buckets"
+    DYNAMIC = "dynamic"
+
+
+class AfterReady(str, enum.Enum):
+    EAGER = "eager"  # serve an unseen shape eagerly, never compile after READY
+    FAIL = "fail"  # refuse it with an error naming the shape
+    COMPILE = "compile"  # compile it (the request that meets it waits for the compile)
+
+
+@dataclass(frozen=True)
+class ShapePolicy:
+    kind: PolicyKind = PolicyKind.BUCKETS
+    batch_sizes: tuple[int, ...] = (1, 2, 4)
+    seq_lengths: tuple[int, ...] = (16, 32, 64, 128)
+    after_ready: AfterReady = AfterReady.EAGER
+
+    @property
+    def dynamic(self) -> bool:
+        """What the compile rungs pass as ``torch.compile(dynamic=...)``."""
+        return self.kind is PolicyKind.DYNAMIC
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.batch_sizes)
+
+    def fitted(self, max_length: int) -> ShapePolicy:
+        """Buckets never exceed ``max_length``; the largest one is ``max_length`` so every text has a bucket."""
+        lengths = sorted({min(length, max_length) for length in self.seq_lengths})
+        if self.kind is PolicyKind.BUCKETS and lengths[-1] < max_length:
+            lengths.append(max_length)
+        return replace(self, batch_sizes=tuple(sorted(set(self.batch_sizes))), seq_lengths=tuple(lengths))
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, sequence) pair: each bucket, or the sizes that prove a dynamic graph."""
+        return [(batch, seq) for batch in self.batch_sizes for seq in self.seq_lengths]
+
+    def serving_shape(self, rows: int, seq: int) -> tuple[int, int]:
+        """The shape a batch of ``rows`` x ``seq`` is run at (``rows`` <= ``max_batch``)."""
+        if self.kind is PolicyKind.DYNAMIC:
+            return rows, seq
+        return _bucket(self.batch_sizes, rows), _bucket(self.seq_lengths, seq)
+
+    def describe(self) -> dict[str, Any]:
+        return {"policy": self.kind.value, "batch_sizes": list(self.batch_sizes),
+                "seq_lengths": list(self.seq_lengths), "after_ready": self.after_ready.value}
+
+
+def _bucket(buckets: Sequence[int], size: int) -> int:
+    """The smallest bucket >= size; a size beyond the largest stays as it is (an unseen shape)."""
+    index = bisect.bisect_left(buckets, size)
+    return buckets[index] if index < len(buckets) else size
+
+
+Batch = Mapping[str, torch.Tensor]
+
+
+def split_rows(batch: Batch, size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Consecutive chunks of at most ``size`` rows."""
+    rows = next(iter(batch.values())).shape[0]
+    for start in range(0, rows, size):
+        yield {name: tensor[start : start + size] for name, tensor in batch.items()}
+
+
+def pad_batch(batch: Batch, shape: tuple[int, int], pad_values: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Pad 2-D token tensors to ``shape``: extra positions get the input's pad value (masked out), extra
+    rows repeat the first row, so the padding rows compute on real numbers (a fully masked row can give
+    NaN in attention) and are sliced away afterwards."""
+    rows, seq = shape
+    padded = {}
+    for name, tensor in batch.items():
+        extra_seq = seq - tensor.shape[1]
+        if extra_seq > 0:
+            fill = tensor.new_full((tensor.shape[0], extra_seq), pad_values.get(name, 0))
+            tensor = torch.cat([tensor, fill], dim=1)
+        extra_rows = rows - tensor.shape[0]
+        if extra_rows > 0:
+            tensor = torch.cat([tensor, tensor[:1].expand(extra_rows, -1)], dim=0)
+        padded[name] = tensor
+    return padded
+
+
+def take_rows(output: Any, rows: int) -> Any:
+    """The first ``rows`` rows of every tensor in a (nested) output."""
+    if isinstance(output, torch.Tensor):
+        return output[:rows]
+    if isinstance(output, Mapping):
+        return {key: take_rows(value, rows) for key, value in output.items()}
+    if isinstance(output, (list, tuple)):
+        return type(output)(take_rows(value, rows) for value in output)
+    return output
+
+
+def concat_rows(outputs: Sequence[Any]) -> Any:
+    """Join chunk outputs of the same structure along the batch dimension."""
+    first = outputs[0]
+    if len(outputs) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(outputs), dim=0)
+    if isinstance(first, Mapping):
+        return {key: concat_rows([out[key] for out in outputs]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(concat_rows(list(parts)) for parts in zip(*outputs, strict=True))
+    return first
