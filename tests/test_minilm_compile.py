@@ -1,5 +1,5 @@
 """A real torch.compile of the real all-MiniLM-L6-v2 on CPU, configured by the shipped model YAML:
-it must pass warmup + parity, be the active rung, and match sentence-transformers."""
+it must pass warmup + the quality gate, be the active rung, and match sentence-transformers."""
 
 from __future__ import annotations
 

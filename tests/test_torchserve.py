@@ -183,7 +183,7 @@ def test_describe_shows_the_ladder_and_the_fast_path(server):
     assert optimization["threads"]["intra_op"] >= 1 and "minWorkers" in optimization["threads"]["reason"]
     assert optimization["notes"] == ["mode reduce-overhead: no CUDA graphs on cpu; inductor compiles without them"]
     assert optimization["shapes"]["policy"] == "dynamic"
-    assert optimization["compile_cache"]["warning"] is None
+    assert "warning" not in optimization["compile_cache"]  # TorchServe drops null fields
     assert optimization["torch"] == torch.__version__
     assert meta["state"] == "ready"
 

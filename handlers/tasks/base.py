@@ -1,6 +1,6 @@
 """What every task adapter provides, pipeline-style: parse -> preprocess -> module -> postprocess.
 
-The ladder optimizes the ``torch.nn.Module`` a task builds around the Hugging Face model, so parity is
+The ladder optimizes the ``torch.nn.Module`` a task builds around the Hugging Face model, so the quality gate is
 checked on what the client receives (e.g. pooled, normalized embeddings), not on hidden states.
 """
 

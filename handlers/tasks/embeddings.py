@@ -39,7 +39,7 @@ class EmbeddingRequest:
 
 
 class MeanPooledEmbedder(torch.nn.Module):
-    """Encoder + masked mean pooling + L2 norm, so compile and parity cover what clients receive."""
+    """Encoder + masked mean pooling + L2 norm, so compile and the quality gate cover what clients receive."""
 
     def __init__(self, encoder: torch.nn.Module):
         super().__init__()
