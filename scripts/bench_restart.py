@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Cold start vs warm starts of the shipped archive through a real TorchServe on loopback.
+
+Three measurements, one run, one fresh compile cache directory:
+
+1. cold: TorchServe starts with an empty cache; time until the model's worker is READY.
+2. scale-up on the same host: a second worker is added (management API, synchronous); time until it is
+   READY. It finds the first worker's graphs and kernels in the shared cache directory.
+3. a new host: TorchServe is stopped, the cache directory is copied elsewhere (as a volume mounted into a new
+   pod would be) and a new TorchServe starts from the copy; time until READY.
+
+Each worker's own load time (``load_seconds`` from describe) is recorded beside the wall-clock times.
+
+    .venv/bin/python scripts/bench_restart.py [--config model_configs/minilm-embeddings.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
+import package  # noqa: E402
+import tsctl  # noqa: E402
+
+PORT_SHIFT = 30000  # away from the shipped ports, the tests (+10000) and bench_e2e (+20000)
+MODEL = "minilm"
+
+
+def shifted_config(tmp: Path) -> Path:
+    props = tsctl.read_properties(tsctl.DEFAULT_CONFIG)
+    lines = []
+    for key, value in props.items():
+        if key.endswith("_address") and value.startswith("http://127.0.0.1:"):
+            value = f"http://127.0.0.1:{int(value.rsplit(':', 1)[1]) + PORT_SHIFT}"
+        elif key.endswith("_port"):
+            value = str(int(value) + PORT_SHIFT)
+        lines.append(f"{key}={value}")
+    lines.append(f"initial_worker_port={9000 + PORT_SHIFT}")
+    path = tmp / "config.properties"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def worker_load_seconds(server: tsctl.Server) -> float | None:
+    status, body = server.management("GET", f"/models/{MODEL}?customized=true", timeout=30)
+    if status != 200:
+        return None
+    return json.loads(body)[0].get("customizedMetadata", {}).get("load_seconds")
+
+
+def start_timed(config: Path, store: Path, run_dir: Path, cache: Path) -> tuple[tsctl.Server, float]:
+    env_cache = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    started = time.monotonic()
+    server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar"], run_dir, timeout=900, extra_env=env_cache)
+    return server, time.monotonic() - started
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
+    store = tmp / "store"
+    package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
+    config = shifted_config(tmp)
+    cache = tmp / "cache-host-a"
+    rows = []
+    bc.log("1/3 cold start (empty compile cache)")
+    server, cold = start_timed(config, store, tmp / "run-a", cache)
+    rows.append({"case": "cold start", "ready_seconds": round(cold, 1), "worker_load_seconds":
+                 worker_load_seconds(server)})
+    try:
+        bc.log("2/3 scale-up: a second worker on the same host, shared cache")
+        started = time.monotonic()
+        status, body = server.management("PUT", f"/models/{MODEL}?min_worker=2&max_worker=2&synchronous=true",
+                                         timeout=900)
+        if status != 200:
+            raise RuntimeError(f"scale-up failed: {status} {body[:200]!r}")
+        tsctl.wait_ready(server, MODEL, timeout=900, count=2)
+        rows.append({"case": "second worker, same host", "ready_seconds": round(time.monotonic() - started, 1),
+                     "worker_load_seconds": None})
+    finally:
+        tsctl.stop(tmp / "run-a")
+    volume = tmp / "cache-volume-copy"
+    shutil.copytree(cache, volume)
+    size_mb = sum(f.stat().st_size for f in volume.rglob("*") if f.is_file()) / 1e6
+    bc.log(f"3/3 new host: a new TorchServe with a copy of the cache ({size_mb:.1f} MB)")
+    server, warm = start_timed(config, store, tmp / "run-b", volume)
+    rows.append({"case": "new host, cache volume", "ready_seconds": round(warm, 1),
+                 "worker_load_seconds": worker_load_seconds(server)})
+    tsctl.stop(tmp / "run-b")
+    for row in rows:
+        row["vs_cold"] = round(row["ready_seconds"] / cold, 2)
+        row["cache_mb"] = round(size_mb, 1)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=bc.REPO / "model_configs" / "minilm-embeddings.yaml")
+    parser.add_argument("--out", type=Path, default=bc.DEFAULT_OUT)
+    args = parser.parse_args()
+    header = bc.run_header(args)
+    with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
+        rows = measure(args, Path(tmp))
+    bc.write_json(args.out / "restart.json", {"header": header, "rows": rows})
+    bc.write_csv(args.out / "restart.csv", rows)
+    bc.write_plot(args.out / "restart.png", "Time to READY (s): cold vs warm", [r["case"] for r in rows],
+                  [("seconds to READY", {"TorchServe": [r["ready_seconds"] for r in rows]})])
+    print(bc.markdown_table(["case", "READY after (s)", "worker load (s)", "vs cold"],
+                            [[r["case"], r["ready_seconds"], r["worker_load_seconds"] or "", r["vs_cold"]]
+                             for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
