@@ -59,6 +59,9 @@ class CompileSpec:
     fullgraph: bool = False
     options: Mapping[str, Any] | None = None
     freezing: bool = False  # inductor only: weights become constants, prepacked for the CPU kernels
+    # dynamic only: size-1 dims stay symbolic (size-oblivious), so batch 1 shares the one graph. Measured:
+    # half the cold compile and warm restart of two graphs, same speed.
+    one_graph: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """Fresh keyword arguments for ``torch.compile`` (the backend resolved to a callable if custom)."""
@@ -81,10 +84,11 @@ class CompileSpec:
 
     def with_shapes(self, dynamic: bool, freezing: bool) -> CompileSpec:
         """This compile as the shape policy and the CPU fast path run it."""
-        return replace(self, dynamic=dynamic, freezing=freezing and self.backend == "inductor")
+        return replace(self, dynamic=dynamic, freezing=freezing and self.backend == "inductor", one_graph=dynamic)
 
     def safer(self) -> CompileSpec:
-        """The fallback compile: inductor in default mode, no freezing or custom options, graph breaks allowed."""
+        """The fallback compile: inductor in default mode, no freezing or custom options, graph breaks allowed,
+        torch's own size-1 specialization."""
         return CompileSpec(enabled=self.enabled, backend="inductor", dynamic=self.dynamic)
 
     def describe(self) -> dict[str, Any]:
@@ -95,6 +99,7 @@ class CompileSpec:
             "fullgraph": self.fullgraph,
             "options": dict(self.options) if self.options is not None else None,
             "freezing": self.freezing,
+            "one_graph": self.one_graph,
         }
 
 

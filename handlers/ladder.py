@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from handlers.config import CompileSpec, DType, HandlerConfig, RungName
 from handlers.errors import InferenceError
@@ -103,6 +104,10 @@ class Rung(ABC):
         """Things the configured rung cannot do on this device, for describe."""
         return []
 
+    def warmup_context(self, batches: int) -> contextlib.AbstractContextManager:
+        """Settings the warmup of ``batches`` batches runs under (for compile rungs: while graphs are traced)."""
+        return contextlib.nullcontext()
+
 
 class CompileRung(Rung):
     def __init__(self, name: str, spec: CompileSpec, skip_reason: str | None = None):
@@ -126,6 +131,17 @@ class CompileRung(Rung):
         if self.spec.enabled and self.spec.uses_cuda_graphs and device.type != "cuda":
             return [f"mode {self.spec.mode}: no CUDA graphs on {device.type}; inductor compiles without them"]
         return []
+
+    def warmup_context(self, batches: int) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        # One graph per static warmup shape: past dynamo's recompile limit (8) the rest would run eagerly,
+        # silently, both in the warmup and on live traffic.
+        stack.enter_context(torch._dynamo.config.patch(
+            recompile_limit=max(torch._dynamo.config.recompile_limit, batches)))
+        if self.spec.one_graph:
+            # Only while tracing: the guards it produces then admit batch size 1 to the same graph.
+            stack.enter_context(fx_config.patch(backed_size_oblivious=True))
+        return stack
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -244,9 +260,7 @@ def _try(rung: Rung, module: torch.nn.Module, dtype: DType, batches: Sequence[Ba
         return Attempt(rung.name, AttemptStatus.SKIPPED, reason, 0.0, dtype.value), None
     try:
         forward = rung.apply(module)
-        # One graph per static warmup shape: past dynamo's recompile limit (8) the rest would run eagerly,
-        # silently, both in the warmup and on live traffic.
-        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, len(batches))):
+        with rung.warmup_context(len(batches)):
             quality = _prove(rung.name, forward, batches, references, gate)
     except Exception as exc:  # noqa: BLE001 -- any failure of an optimized rung means: next rung
         seconds = _since(started)

@@ -7,5 +7,5 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
 echo "[test] ruff check"
-.venv/bin/ruff check handlers scripts tests
+.venv/bin/ruff check handlers scripts tests benchmarks
 exec .venv/bin/python -m pytest "$@"

@@ -216,3 +216,6 @@ def test_safer_compile_drops_the_risky_parts():
                        fullgraph=True)
     assert spec.safer() == CompileSpec(enabled=True, backend="inductor", dynamic=True)
     assert spec.with_shapes(dynamic=False, freezing=True).safer().freezing is False
+    shaped = spec.with_shapes(dynamic=True, freezing=False)
+    assert shaped.one_graph and not shaped.safer().one_graph  # the safer rung keeps torch's size-1 graph
+    assert not spec.with_shapes(dynamic=False, freezing=False).one_graph

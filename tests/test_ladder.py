@@ -265,6 +265,23 @@ def test_more_static_shapes_than_the_recompile_limit_are_all_compiled(net):
     assert guard.describe()["compiles_after_ready"] == 0 and guard.failures == 0
 
 
+@pytest.mark.parametrize(("one_graph", "graphs"), [(True, 1), (False, 2)])
+def test_dynamic_one_graph_serves_batch_size_one_without_its_own_graph(net, one_graph, graphs):
+    """torch specializes size-1 dims; one_graph keeps them symbolic while tracing, so a warm restart traces
+    once. Either way every size after READY is served by a warmed graph."""
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=True, one_graph=one_graph)
+    batches = [{"x": torch.randn(rows, 8)} for rows in (1, 3)]
+    result = ladder(net, [CompileRung("compile", spec), EagerRung()], batches)
+    assert result.active == "compile" and compiled_graphs() - before == graphs
+    guard = GuardedForward(result, net, max_failures=1, after_ready=AfterReady.FAIL)
+    for rows in (1, 2, 7):
+        batch = {"x": torch.randn(rows, 8)}
+        torch.testing.assert_close(guard(**batch), eager_out(net, batch))
+    assert guard.describe()["compiles_after_ready"] == 0 and guard.failures == 0
+
+
 @pytest.mark.parametrize("after_ready", list(AfterReady))
 def test_after_ready_stance_for_an_unseen_shape(net, after_ready):
     torch._dynamo.reset()
