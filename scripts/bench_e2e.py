@@ -77,7 +77,23 @@ def shifted_config(tmp: Path, shift: int) -> Path:
     return path
 
 
-def package_baseline(model_dir: Path, store: Path) -> Path:
+SHARED_KEYS = ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay")  # what makes it a fair comparison
+
+
+def baseline_yaml(our_config: Path, work: Path) -> Path:
+    """benchmarks/baseline.yaml with our model YAML's batching and workers, so a --config variant (e.g. a
+    longer maxBatchDelay) changes both sides alike."""
+    import yaml
+
+    baseline = yaml.safe_load(BASELINE_YAML.read_text())
+    ours = yaml.safe_load(our_config.read_text())
+    baseline.update({key: ours[key] for key in SHARED_KEYS if key in ours})
+    path = work / "baseline.yaml"
+    path.write_text(yaml.safe_dump(baseline, sort_keys=False))
+    return path
+
+
+def package_baseline(model_dir: Path, store: Path, config: Path) -> Path:
     """baseline.mar: the handler file + ``model/`` only; it needs torch, transformers and ts, not ``handlers``."""
     with tempfile.TemporaryDirectory(prefix="baseline-stage-") as tmp:
         staging = Path(tmp) / "archive"
@@ -87,7 +103,7 @@ def package_baseline(model_dir: Path, store: Path) -> Path:
         archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
         command = [archiver, "--model-name", BASELINE, "--version", "1.0",
                    "--handler", str(staging / BASELINE_HANDLER.name), "--extra-files", str(staging),
-                   "--config-file", str(BASELINE_YAML), "--export-path", str(store), "--force"]
+                   "--config-file", str(config), "--export-path", str(store), "--force"]
         log(f"packaging baseline: {' '.join(command)}")
         subprocess.run(command, check=True)
     return store / f"{BASELINE}.mar"
@@ -308,7 +324,7 @@ def _or_dash(value: Any) -> Any:
 def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl.Server:
     store = work / "model_store"
     package.build(OURS, model_dir, args.config.resolve(), store)
-    package_baseline(model_dir, store)
+    package_baseline(model_dir, store, baseline_yaml(args.config, work))
     if args.cold_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
     started = time.monotonic()
@@ -336,7 +352,7 @@ def main() -> None:
     model_dir = package.default_model_dir()
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     header = run_header(args, {"work_dir": str(work), "model_yaml": yaml.safe_load(args.config.read_text()),
-                               "baseline_yaml": yaml.safe_load(BASELINE_YAML.read_text())})
+                               "baseline_yaml": yaml.safe_load(baseline_yaml(args.config, work).read_text())})
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     try:
         server = start_server(args, work, model_dir)

@@ -5,7 +5,8 @@ Why: the handler's ladder picks one configuration at load; this shows what each 
 and to compile, on this machine, so the shipped choice (and its README numbers) can be checked.
 
 Variants, each built the way the handler builds its rung (``torch.compile(module, dynamic=...)``, plus
-``options={"freezing": True}`` for the -frozen ones; bf16 as a deep copy cast with ``.to``):
+``options={"freezing": True}`` for the -frozen ones; dynamic ones traced as one graph for every batch size;
+bf16 as a deep copy cast with ``.to``):
 
     eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (bf16 = the shipped rung),
     compile-{dynamic,static}-bf16-frozen,
@@ -119,7 +120,27 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
     if variant.kind == "compile":
         options = {"freezing": True} if variant.freezing else None
         served = torch.compile(served, dynamic=variant.dynamic, options=options)
+        if variant.dynamic:
+            return one_graph_runner(served)
     return lambda batch: served(**batch)
+
+
+def one_graph_runner(compiled: Any) -> Runner:
+    """As the handler's dynamic compile rung traces: size-1 dims stay symbolic, so batch 1 shares the graph.
+    The setting only matters while tracing, i.e. on the first call of each shape."""
+    from torch.fx.experimental import _config as fx_config
+
+    seen = set()
+
+    def run(batch: Batch) -> Any:
+        shape = tuple(batch["input_ids"].shape)
+        if shape in seen:
+            return compiled(**batch)
+        seen.add(shape)
+        with fx_config.patch(backed_size_oblivious=True):
+            return compiled(**batch)
+
+    return run
 
 
 def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int) -> Runner:
