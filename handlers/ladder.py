@@ -136,8 +136,10 @@ class CompileRung(Rung):
         stack = contextlib.ExitStack()
         # One graph per static warmup shape: past dynamo's recompile limit (8) the rest would run eagerly,
         # silently, both in the warmup and on live traffic.
+        # Float attributes (dropout p, layer-norm eps) as constants from the start: dynamic tracing would make
+        # them symbols, specialize them after all and trace the whole model a second time.
         stack.enter_context(torch._dynamo.config.patch(
-            recompile_limit=max(torch._dynamo.config.recompile_limit, batches)))
+            recompile_limit=max(torch._dynamo.config.recompile_limit, batches), specialize_float=True))
         if self.spec.one_graph:
             # Only while tracing: the guards it produces then admit batch size 1 to the same graph.
             stack.enter_context(fx_config.patch(backed_size_oblivious=True))
