@@ -57,6 +57,33 @@ def git_revision() -> str:
     return f"{rev}+dirty" if dirty else rev
 
 
+CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> tuple[str, dict[str, str]]:
+    """The first processor's model name and flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "", {}
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields.get("model name", ""), fields
+
+
+def cpu_model() -> str:
+    return cpu_flags()[0] or "unknown"
+
+
+def cpu_isa() -> list[str]:
+    flags = set(cpu_flags()[1].get("flags", "").split())
+    return [flag for flag in CPU_ISA_FLAGS if flag in flags]
+
+
 def run_header(args: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Print the command line, the parsed arguments and the environment; return them for saving."""
     import torch
@@ -70,6 +97,8 @@ def run_header(args: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_isa": cpu_isa(),  # the numbers depend on it: bf16 is fast only with avx512_bf16 / amx_bf16
         "git": git_revision(),
         "loadavg_1m": round(os.getloadavg()[0], 2),  # other work on the box skews every number below
         **(extra or {}),

@@ -59,6 +59,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per cell (requests split)")
     parser.add_argument("--warmup", type=int, default=8, help="untimed requests per model and workload first")
     parser.add_argument("--config", type=Path, default=package.DEFAULT_CONFIG, help="model YAML for ours")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override the model YAML (both models' batching follows it), e.g. maxBatchDelay=1 "
+                             "minWorkers=2 pt2_handlers.threads=1")
     parser.add_argument("--port-shift", type=int, default=20000)
     parser.add_argument("--cold-cache", action="store_true",
                         help="a new empty inductor cache (default: the repo's .cache/inductor, like scripts/start.sh)")
@@ -78,6 +81,28 @@ def shifted_config(tmp: Path, shift: int) -> Path:
 
 
 SHARED_KEYS = ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay")  # what makes it a fair comparison
+
+
+def overridden_config(config: Path, settings: Sequence[str], work: Path) -> Path:
+    """``config`` with each ``key.sub=value`` (value read as YAML) applied; ``config`` itself if none."""
+    import yaml
+
+    if not settings:
+        return config
+    data = yaml.safe_load(config.read_text())
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {setting!r}: expected KEY=VALUE")
+        *parents, leaf = key.split(".")
+        node = data
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = yaml.safe_load(value)
+    path = work / "minilm.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    log(f"model YAML: {config} with {' '.join(settings)}")
+    return path
 
 
 def baseline_yaml(our_config: Path, work: Path) -> Path:
@@ -351,6 +376,7 @@ def main() -> None:
 
     model_dir = package.default_model_dir()
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    args.config = overridden_config(args.config, args.set, work)
     header = run_header(args, {"work_dir": str(work), "model_yaml": yaml.safe_load(args.config.read_text()),
                                "baseline_yaml": yaml.safe_load(baseline_yaml(args.config, work).read_text())})
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -8,8 +8,8 @@ Variants, each built the way the handler builds its rung (``torch.compile(module
 ``options={"freezing": True}`` for the -frozen ones; dynamic ones traced as one graph for every batch size;
 bf16 as a deep copy cast with ``.to``):
 
-    eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (bf16 = the shipped rung),
-    compile-{dynamic,static}-bf16-frozen,
+    eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (the shipped rung: bf16 where the
+    CPU has AVX512-BF16 or AMX, fp32 elsewhere), compile-{dynamic,static}-{fp32,bf16}-frozen,
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     ipex-{fp32,bf16} (only where intel_extension_for_pytorch imports)
 
@@ -56,6 +56,8 @@ VARIANTS = (
     Variant("eager-fp32", "eager", "float32"),
     Variant("eager-bf16", "eager", "bfloat16"),
     Variant("compile-dynamic-fp32", "compile", "float32", dynamic=True),
+    Variant("compile-dynamic-fp32-frozen", "compile", "float32", dynamic=True, freezing=True),
+    Variant("compile-static-fp32-frozen", "compile", "float32", dynamic=False, freezing=True),
     Variant("compile-dynamic-bf16", "compile", "bfloat16", dynamic=True),
     Variant("compile-dynamic-bf16-frozen", "compile", "bfloat16", dynamic=True, freezing=True),
     Variant("compile-static-bf16-frozen", "compile", "bfloat16", dynamic=False, freezing=True),
