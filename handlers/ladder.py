@@ -133,6 +133,8 @@ class CompileRung(Rung):
         return []
 
     def warmup_context(self, batches: int) -> contextlib.AbstractContextManager:
+        from torch._inductor import config as inductor_config  # imports dynamo: not before the cache dir is set
+
         stack = contextlib.ExitStack()
         # One graph per static warmup shape: past dynamo's recompile limit (8) the rest would run eagerly,
         # silently, both in the warmup and on live traffic.
@@ -140,6 +142,11 @@ class CompileRung(Rung):
         # them symbols, specialize them after all and trace the whole model a second time.
         stack.enter_context(torch._dynamo.config.patch(
             recompile_limit=max(torch._dynamo.config.recompile_limit, batches), specialize_float=True))
+        # No precompiled C++ headers: inductor keeps them under $TMPDIR, outside the compile cache, and builds
+        # them again in every new process whose kernels are not in memory, even when every kernel is already
+        # in the cache: +6 s on a new host or container with a warm cache volume. Cold compiles measured no
+        # slower without them (bench_restart.py, README: Restarts).
+        stack.enter_context(inductor_config.patch(cpp_cache_precompile_headers=False))
         if self.spec.one_graph:
             # Only while tracing: the guards it produces then admit batch size 1 to the same graph.
             stack.enter_context(fx_config.patch(backed_size_oblivious=True))

@@ -314,3 +314,28 @@ def test_reduce_overhead_on_cpu_says_there_are_no_cuda_graphs(net):
     assert CompileRung("compile", spec).notes(torch.device("cpu")) == [
         "mode reduce-overhead: no CUDA graphs on cpu; inductor compiles without them"]
     assert CompileRung("compile", spec).notes(torch.device("cuda", 0)) == []
+
+
+@pytest.mark.slow
+def test_compile_rungs_build_no_precompiled_headers(tmp_path, monkeypatch):
+    """Inductor keeps precompiled C++ headers under $TMPDIR, outside the compile cache, and rebuilds them in
+    a new container even when every kernel is cached (+6 s per new host). The compile rungs do without."""
+    from torch._inductor import codecache
+
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(tmp_path / "headers"))
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(tmp_path / "headers" / "locks"))
+    torch._dynamo.reset()
+
+    class FreshKernel(torch.nn.Module):
+        def forward(self, x):  # a constant no other test compiles, so its C++ kernel is not cached anywhere
+            return torch.tanh(x * 1.2345) + x
+
+    batches = [{"x": torch.randn(rows, 8)} for rows in (1, 3)]
+    spec = CompileSpec(enabled=True, backend="inductor", dynamic=False)
+    result = ladder(FreshKernel(), [CompileRung("compile", spec), EagerRung()], batches)
+    assert result.active == "compile", result.attempts
+    assert not (tmp_path / "headers").exists() or not any((tmp_path / "headers").glob("*.h*"))
+
+    # The control: torch's default does build them, so the assertion above is not vacuous.
+    torch.compile(lambda x: torch.tanh(x * 2.3456) - x)(torch.randn(2, 8))
+    assert any((tmp_path / "headers").glob("*.h*"))
