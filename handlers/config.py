@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from handlers.errors import ConfigError
+from handlers.ipex import IPEX_BACKEND
 from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
 
 PT2_SECTION = "pt2"
@@ -273,6 +274,8 @@ def _check_backend(name: str, path: str) -> None:
         except Exception as exc:  # an import error, a missing attribute: all are config errors here
             raise ConfigError(f"{path}: cannot load custom backend {name!r}: {type(exc).__name__}: {exc}") from None
         return
+    if name == IPEX_BACKEND:
+        return  # registered only once IPEX is imported; the compile rung probes it and says why not
     if name not in torch._dynamo.list_backends(exclude_tags=()):
         allowed = ", ".join(torch._dynamo.list_backends())
         raise ConfigError(

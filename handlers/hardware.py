@@ -23,12 +23,26 @@ class Choice:
 
 
 def cpu_features() -> dict[str, bool]:
-    """The CPU capabilities torch detected (a private API, so any failure means: none known)."""
+    """Which of the bf16 CPU features are present: torch's own detection (torch >= 2.9), else the kernel's
+    CPU flags (torch 2.8, the ipex profile, has no such API); none known if neither answers."""
     try:
         capability = torch._C._cpu._get_cpu_capability()
-    except Exception:  # noqa: BLE001 -- an older or newer torch without it: fall back to fp32
-        return {}
+    except Exception:  # noqa: BLE001 -- a torch without this private API
+        flags = linux_cpu_flags()
+        return {name: name in flags for name in BF16_CPU_FEATURES}
     return {name: bool(capability.get(name)) for name in BF16_CPU_FEATURES}
+
+
+def linux_cpu_flags() -> frozenset[str]:
+    """The ``flags`` line of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def resolve_dtype(requested: DType, device: torch.device) -> Choice:

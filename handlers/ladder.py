@@ -28,7 +28,7 @@ from torch.fx.experimental import _config as fx_config
 
 from handlers.config import CompileSpec, DType, HandlerConfig, RungName
 from handlers.errors import InferenceError
-from handlers.ipex import probe_ipex
+from handlers.ipex import IPEX_BACKEND, probe_ipex
 from handlers.shapes import AfterReady
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ class CompileRung(Rung):
     def unavailable_reason(self) -> str | None:
         if not self.spec.enabled:
             return "pt2.compile.enable is not true"
+        if self._skip_reason is None and self.spec.backend == IPEX_BACKEND:
+            return probe_ipex()[1]  # importing IPEX registers its backend
         return self._skip_reason
 
     def apply(self, module: torch.nn.Module) -> Forward:

@@ -7,15 +7,16 @@ Everything below is translation: TorchServe context -> Engine, Engine answers/er
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import os
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 import torch
 from ts.metrics.dimension import Dimension
-from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
 from handlers import compile_cache
@@ -26,6 +27,29 @@ from handlers.errors import HandlerError, InvalidInput
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
+TS_IPEX_SWITCH = "TS_IPEX_ENABLE"
+
+
+def _base_handler_class() -> type:
+    """TorchServe's ``BaseHandler``, imported so that ``TS_IPEX_ENABLE=true`` cannot take the worker down.
+
+    With the switch on, base_handler imports IPEX at import time and catches only ImportError; a mismatched
+    IPEX (2.8 on torch 2.13 raises AttributeError) kills every worker before any handler code runs. The
+    switch only serves the stock ``initialize``, which Pt2Handler replaces: the ladder's ipex rung probes
+    IPEX itself and records why it cannot run. So base_handler is imported with the switch hidden, and the
+    environment is restored at once.
+    """
+    switch = os.environ.pop(TS_IPEX_SWITCH, None)
+    try:
+        return importlib.import_module("ts.torch_handler.base_handler").BaseHandler
+    finally:
+        if switch is not None:
+            os.environ[TS_IPEX_SWITCH] = switch
+            logger.info("%s=%s: IPEX is tried by the pt2-handlers ladder (the ipex rung), not by TorchServe's "
+                        "base handler", TS_IPEX_SWITCH, switch)
+
+
+BaseHandler = _base_handler_class()
 
 
 class Pt2Handler(BaseHandler):

@@ -1,11 +1,37 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: set up the venv, then pytest (unit + real TorchServe).
-# One inductor cache directory is shared by the test process and every TorchServe worker it starts.
+# The whole test suite on a fresh machine, in both profiles:
+#   1. default (.venv: torch 2.13 CPU): unit + real TorchServe tests, and the IPEX 2.8 wheel beside torch 2.13
+#   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the same suite, plus the IPEX rung for real
+# One minilm.mar is built once and served in both. Arguments go to both pytest runs.
+# PT2_PROFILES=default runs stage 1 only (a quick local loop); CI runs both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+started=$(date +%s)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
+PROFILES=${PT2_PROFILES:-default ipex}
+
+bash scripts/setup.sh
 echo "[test] ruff check"
 .venv/bin/ruff check handlers scripts tests benchmarks
-exec .venv/bin/python -m pytest "$@"
+
+echo "[test] one archive for both profiles"
+shared_store=.cache/shared-store
+.venv/bin/python scripts/package.py --name minilm --export-path "$shared_store"
+export PT2_SHARED_ARCHIVE=$PWD/$shared_store/minilm.mar
+
+stage() {  # profile venv inductor-cache [pytest args]
+  local profile=$1 venv=$2 cache=$3
+  shift 3
+  echo "[test] profile $profile: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"
+  TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/$cache} "$venv/bin/python" -m pytest "$@"
+}
+
+if [[ " $PROFILES " == *" default "* ]]; then
+  PT2_IPEX_WHEEL_DIR=$(bash scripts/setup.sh --ipex-wheel) stage default .venv .cache/inductor "$@"
+fi
+if [[ " $PROFILES " == *" ipex "* ]]; then
+  bash scripts/setup.sh --profile ipex
+  # Its own inductor cache: torch 2.8 and 2.13 write different graphs and kernels.
+  stage ipex .venv-ipex .cache/inductor-ipex "$@"
+fi
+echo "[test] all stages passed in $(( $(date +%s) - started ))s"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,20 +15,38 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+SHARED_ARCHIVE_ENV = "PT2_SHARED_ARCHIVE"  # one minilm.mar for both profiles (scripts/test.sh)
+IPEX_WHEEL_ENV = "PT2_IPEX_WHEEL_DIR"  # the IPEX 2.8 wheel, unpacked, for the version-mismatch tests
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked gpu need a CUDA device: without one they are deselected (and said so), not skipped."""
+    """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
+    gpu needs CUDA; ipex needs the ipex profile; ipex_mismatch needs the default profile and the IPEX wheel
+    unpacked beside it. scripts/test.sh runs both profiles, so only gpu stays unrun on a CPU machine."""
+    for marker, reason in unavailable_reasons().items():
+        chosen = [item for item in items if item.get_closest_marker(marker)]
+        if reason is None or not chosen:
+            continue
+        config.hook.pytest_deselected(items=chosen)
+        items[:] = [item for item in items if not item.get_closest_marker(marker)]
+        print(f"\n{len(chosen)} {marker} test(s) deselected: {reason}")
+
+
+def unavailable_reasons() -> dict[str, str | None]:
     import torch
 
-    if torch.cuda.is_available():
-        return
-    gpu = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu:
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
-        print(f"\n{len(gpu)} gpu test(s) deselected: no CUDA device here (run them with pytest -m gpu on a GPU)")
+    from handlers.ipex import probe_ipex
+
+    gpu = None if torch.cuda.is_available() else "no CUDA device here (run them with pytest -m gpu on a GPU)"
+    ipex = probe_ipex()[1]
+    if ipex is None:
+        mismatch = "IPEX works with this torch (run them in the default profile)"
+    elif not os.environ.get(IPEX_WHEEL_ENV):
+        mismatch = f"set {IPEX_WHEEL_ENV} to the unpacked IPEX wheel (scripts/test.sh does: setup.sh --ipex-wheel)"
+    else:
+        mismatch = None
+    return {"gpu": gpu, "ipex": ipex and f"{ipex} (scripts/test.sh runs them there)", "ipex_mismatch": mismatch}
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +72,29 @@ def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) ->
     for name in TOKENIZER_FILES:
         shutil.copy(minilm_dir / name, root / name)
     return root
+
+
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory, minilm_dir):
+    """The archives the integration tests serve, built by scripts/package.py as a user builds them."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import package
+
+    store = tmp_path_factory.mktemp("model_store")
+    shared = os.environ.get(SHARED_ARCHIVE_ENV)
+    if shared:  # scripts/test.sh builds it once; both profiles serve the very same bytes
+        shutil.copy(shared, store / "minilm.mar")
+    else:
+        package.build("minilm", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml", store)
+    package.build("minilm-buckets", minilm_dir, REPO / "tests" / "configs" / "minilm-buckets.yaml", store)
+    package.build("minilm-faulty", minilm_dir, REPO / "tests" / "configs" / "minilm-faulty-backend.yaml", store,
+                  extra_files=(REPO / "tests" / "faulty_backends.py",))
+    return store
+
+
+@pytest.fixture(scope="session")
+def reference(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm_dir), device="cpu")
+    return lambda texts: model.encode(texts, normalize_embeddings=True, convert_to_tensor=True).cpu()

@@ -52,13 +52,21 @@ def test_configured_dir_is_read_leniently_before_validation():
     assert configured_dir({"pt2_handlers": "x"}) is None and configured_dir(None) is None
 
 
+def torch_minor() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def test_prepare_keeps_torch_dynamo_importable_in_a_fresh_process():
     """The defect this module exists for: torch dies importing dynamo when the cache dir cannot be made."""
     code = ("from handlers.compile_cache import prepare; c = prepare(None); import torch._dynamo; "
             "print(c.source)")
     env = {**os.environ, ENV_VAR: UNCREATABLE}
     crash = subprocess.run([sys.executable, "-c", "import torch._dynamo"], env=env, capture_output=True, text=True)
-    assert crash.returncode != 0, "torch no longer crashes on an unusable cache dir; this test proves nothing"
+    # Measured: torch 2.13 dies there; torch 2.8 (the ipex profile) imports and fails later, at compile.
+    assert (crash.returncode != 0) == (torch_minor() >= (2, 13)), crash.stderr[-500:]
     fixed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert fixed.returncode == 0, fixed.stderr
     assert fixed.stdout.strip() == "private fallback"

@@ -24,10 +24,15 @@ from handlers.ladder import (
     is_refused_recompile,
     run_ladder,
 )
+from handlers.ipex import probe_ipex
 from handlers.shapes import AfterReady
 from handlers.tasks.embeddings import CosineGate
 
 GATE = CosineGate(0.9999)
+
+
+def ipex_usable() -> bool:
+    return probe_ipex()[0] is not None
 
 
 def ladder(net, rungs, batches, gate=GATE):
@@ -185,8 +190,11 @@ def test_build_ladder_skips_what_cannot_run(net, batches):
     result = ladder(net, build_ladder(config, torch.device("cpu"), DType.FLOAT32), batches)
     skipped = {a.rung: a.reason for a in result.attempts if a.status is AttemptStatus.SKIPPED}
     assert skipped["compile"] == skipped["safe_compile"] == "pt2.compile.enable is not true"
-    assert "intel_extension_for_pytorch is not installed" in skipped["ipex"]
-    assert result.active == "eager"
+    if ipex_usable():  # the ipex profile: the IPEX rung runs, passes the gate and serves
+        assert result.active == "ipex" and "ipex" not in skipped
+    else:
+        assert "intel_extension_for_pytorch is not installed" in skipped["ipex"]
+        assert result.active == "eager"
 
 
 def test_safe_compile_identical_to_the_request_is_skipped():
@@ -201,7 +209,7 @@ def test_ipex_is_cpu_only():
     assert rung.unavailable_reason() == "IPEX runs on CPU only; this worker uses cuda:0"
 
 
-def test_a_broken_ipex_install_is_skipped_not_fatal(tmp_path, monkeypatch, net, batches):
+def test_a_broken_ipex_install_is_skipped_not_fatal(tmp_path, monkeypatch, request, net, batches):
     """IPEX 2.8 on another torch raises AttributeError while importing; that must become a skip reason."""
     package = tmp_path / "intel_extension_for_pytorch"
     package.mkdir()
@@ -211,6 +219,8 @@ def test_a_broken_ipex_install_is_skipped_not_fatal(tmp_path, monkeypatch, net, 
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "intel_extension_for_pytorch", raising=False)
+    probe_ipex.cache_clear()
+    request.addfinalizer(probe_ipex.cache_clear)  # the real IPEX (or its absence) for later tests
     result = ladder(net, [IpexRung(torch.device("cpu"), DType.FLOAT32), EagerRung()], batches)
     ipex = result.attempts[0]
     assert ipex.status is AttemptStatus.SKIPPED
