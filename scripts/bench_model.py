@@ -115,7 +115,10 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
             import intel_extension_for_pytorch as ipex
         except ImportError as exc:
             raise Skip(f"intel_extension_for_pytorch does not import ({exc}); its own venv: the ipex extra") from exc
-        optimized = ipex.optimize(copy.deepcopy(module).to(dtype).eval(), dtype=dtype)
+        try:
+            optimized = ipex.optimize(copy.deepcopy(module).to(dtype).eval(), dtype=dtype)
+        except Exception as exc:  # e.g. bf16 weight prepack on a CPU without avx512bw/vl/dq: a row, not a crash
+            raise Skip(f"ipex.optimize failed: {type(exc).__name__}: {exc}") from exc
         return lambda batch: optimized(**batch)
     # A copy whenever it is compiled: freezing folds the weights into the graph, and eager-fp32 stays the reference.
     served = module if variant.kind == "eager" and dtype is torch.float32 else copy.deepcopy(module).to(dtype)
