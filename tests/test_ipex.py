@@ -101,3 +101,23 @@ def test_ipex_optimize_raising_goes_to_the_next_rung(tiny_bert_dir, monkeypatch)
     assert ipex_attempt["status"] == "failed" and "injected: ipex.optimize failed" in ipex_attempt["reason"]
     assert engine.describe()["optimization"]["active"] == "eager"
     assert len(embeddings(engine, TEXTS)) == len(TEXTS)
+
+
+def test_ipex_answers_that_drift_fail_the_gate(tiny_bert_dir, monkeypatch):
+    """Fault injection: the IPEX-optimized module runs for real, then its embeddings are rotated (what a
+    miscompiled kernel looks like to a client). The gate refuses the rung with the measured value."""
+    import intel_extension_for_pytorch as ipex
+
+    real_optimize = ipex.optimize
+
+    def drifting_optimize(model, *args, **kwargs):
+        optimized = real_optimize(model, *args, **kwargs)
+        optimized.register_forward_hook(lambda module, inputs, output: torch.roll(output, 1, dims=-1))
+        return optimized
+
+    monkeypatch.setattr(ipex, "optimize", drifting_optimize)
+    engine = engine_for(tiny_bert_dir, ladder=["ipex", "eager"], dtype="float32")
+    ipex_attempt = attempts_of(engine)["ipex"]
+    assert ipex_attempt["status"] == "failed" and "min_cosine" in ipex_attempt["reason"], ipex_attempt
+    assert ipex_attempt["quality"]["value"] < ipex_attempt["quality"]["threshold"]
+    assert engine.describe()["optimization"]["active"] == "eager"
