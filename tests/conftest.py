@@ -75,7 +75,17 @@ def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) ->
 
 
 @pytest.fixture(scope="session")
-def model_store(tmp_path_factory, minilm_dir):
+def classifier_dirs(tmp_path_factory) -> dict[str, Path]:
+    """The text-classification models of scripts/make_test_models.py (MiniLM + seeded heads)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_test_models
+
+    out = tmp_path_factory.mktemp("test-models")
+    return {name: make_test_models.build(name, out) for name in ("minilm-sentiment", "minilm-topics")}
+
+
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory, minilm_dir, classifier_dirs):
     """The archives the integration tests serve, built by scripts/package.py as a user builds them."""
     sys.path.insert(0, str(REPO / "scripts"))
     import package
@@ -87,6 +97,8 @@ def model_store(tmp_path_factory, minilm_dir):
     else:
         package.build("minilm", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml", store)
     package.build("minilm-buckets", minilm_dir, REPO / "tests" / "configs" / "minilm-buckets.yaml", store)
+    package.build("minilm-sentiment", classifier_dirs["minilm-sentiment"],
+                  REPO / "model_configs" / "minilm-text-classification.yaml", store)
     package.build("minilm-faulty", minilm_dir, REPO / "tests" / "configs" / "minilm-faulty-backend.yaml", store,
                   extra_files=(REPO / "tests" / "faulty_backends.py",))
     return store

@@ -219,3 +219,14 @@ def test_safer_compile_drops_the_risky_parts():
     shaped = spec.with_shapes(dynamic=True, freezing=False)
     assert shaped.one_graph and not shaped.safer().one_graph  # the safer rung keeps torch's size-1 graph
     assert not spec.with_shapes(dynamic=False, freezing=False).one_graph
+
+
+@pytest.mark.parametrize("name", ["minilm-embeddings.yaml", "minilm-text-classification.yaml"])
+def test_every_shipped_model_yaml_loads(name):
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(__file__).resolve().parent.parent / "model_configs" / name
+    config = load_config(yaml.safe_load(path.read_text()))
+    assert config.compile.enabled and config.settings.task == name.removeprefix("minilm-").removesuffix(".yaml")

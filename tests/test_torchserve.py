@@ -261,6 +261,49 @@ def test_a_compile_that_fails_at_first_forward_still_serves_every_request(server
     assert server.management("DELETE", "/models/minilm-faulty")[0] == 200
 
 
+def assert_same_classification(got: list[dict], want: list[dict], tolerance: float) -> None:
+    """Scores per label within the gate's tolerance; the order of labels identical wherever fp32's own
+    scores are further apart than the tolerance allows to swap (always, for an fp32 rung at 1e-4 here)."""
+    ours, theirs = {r["label"]: r["score"] for r in got}, {r["label"]: r["score"] for r in want}
+    assert ours.keys() == theirs.keys(), (got, want)
+    assert all(abs(ours[label] - theirs[label]) <= tolerance for label in ours), (got, want)
+    for rank in range(len(want) - 1):
+        if want[rank]["score"] - want[rank + 1]["score"] > 2 * tolerance:
+            assert got[rank]["label"] == want[rank]["label"], (got, want)
+
+
+def test_text_classification_compiled_equals_the_pipeline(server, classifier_dirs):
+    import transformers
+
+    from tests.test_classification import TEXTS as CLASSIFY
+
+    status, body = server.management(
+        "POST", "/models?url=minilm-sentiment.mar&initial_workers=1&synchronous=true", timeout=900)
+    assert status == 200, body
+    try:
+        optimization = describe(server, "minilm-sentiment")["customizedMetadata"]["optimization"]
+        assert optimization["active"] == "compile", optimization["attempts"]
+        quality = optimization["attempts"][0]["quality"]
+        assert quality["metric"] == "score_agreement" and quality["value"] >= quality["threshold"]
+        tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
+        pipe = transformers.pipeline("text-classification", model=str(classifier_dirs["minilm-sentiment"]),
+                                     device="cpu")
+        for text in CLASSIFY:
+            status, answer = predict(server, {"text": text, "top_k": None}, model="minilm-sentiment")
+            assert status == 200, answer
+            assert_same_classification(answer, pipe(text, top_k=None), tolerance)
+        status, answers = predict(server, {"inputs": CLASSIFY, "top_k": None}, model="minilm-sentiment")
+        assert status == 200 and len(answers) == len(CLASSIFY)
+        for got, want in zip(answers, pipe(CLASSIFY, top_k=None), strict=True):
+            assert_same_classification(got, want, tolerance)
+        status, error = predict(server, {"text": "hi", "top_k": "two"}, model="minilm-sentiment")
+        assert status == 400 and '"top_k" must be a positive integer or null' in error["message"]
+        runtime = describe(server, "minilm-sentiment")["customizedMetadata"]["optimization"]["runtime"]
+        assert runtime["compiles_after_ready"] == 0 and runtime["runtime_failures"] == 0
+    finally:
+        assert server.management("DELETE", "/models/minilm-sentiment")[0] == 200
+
+
 def test_unregister(server):
     status, body = server.management("DELETE", "/models/minilm", timeout=120)
     assert status == 200, body

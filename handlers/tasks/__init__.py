@@ -7,9 +7,12 @@ from types import MappingProxyType
 
 from handlers.errors import ConfigError
 from handlers.tasks.base import Task
+from handlers.tasks.classification import TextClassificationTask
 from handlers.tasks.embeddings import EmbeddingsTask
 
-TASKS: Mapping[str, type[Task]] = MappingProxyType({EmbeddingsTask.name: EmbeddingsTask})
+TASKS: Mapping[str, type[Task]] = MappingProxyType({
+    task.name: task for task in (EmbeddingsTask, TextClassificationTask)
+})
 
 
 def check_task(name: str, path: str = "task") -> type[Task]:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from handlers.config import DType
-from handlers.errors import InvalidInput
+from handlers.errors import ConfigError, InvalidInput
 from handlers.ladder import QualityGate
 
 WARMUP_WORDS = "the quick brown fox jumps over the lazy dog while a cat watches from the warm window".split()
@@ -94,3 +94,14 @@ def decode_body(body: Any) -> Any:
     if body is None:
         raise InvalidInput("request body is empty")
     return body
+
+
+def gate_threshold(dtype: DType, overrides: Mapping[str, float], keys: tuple[str, str],
+                   defaults: Mapping[DType, float], bounds: tuple[float, float], what: str) -> float:
+    """A task's configured (or default) gate value: ``keys[0]`` for fp32 rungs, ``keys[1]`` for bf16/fp16
+    ones; a ConfigError for any configured value outside ``bounds``."""
+    low, high = bounds
+    for key, value in overrides.items():
+        if not low <= value <= high:
+            raise ConfigError(f"pt2_handlers.quality_gate.{key} is {what} in [{low:g}, {high:g}], got {value!r}")
+    return overrides.get(keys[0] if dtype is DType.FLOAT32 else keys[1], defaults[dtype])

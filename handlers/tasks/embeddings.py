@@ -18,9 +18,9 @@ import torch
 import transformers
 
 from handlers.config import DType
-from handlers.errors import ConfigError, InvalidInput
+from handlers.errors import InvalidInput
 from handlers.ladder import QualityError, QualityGate, tensors
-from handlers.tasks.base import Task, decode_body
+from handlers.tasks.base import Task, decode_body, gate_threshold
 
 # Keys OpenAI clients send beside "input"; only what changes the answer is checked.
 OPENAI_EXTRA_KEYS = frozenset({"model", "encoding_format", "user"})
@@ -80,11 +80,7 @@ class EmbeddingsTask(Task):
     @classmethod
     def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> CosineGate:
         """``min_cosine`` applies to fp32 rungs, ``min_cosine_half`` to bf16/fp16 rungs."""
-        for key, value in overrides.items():
-            if not -1.0 <= value <= 1.0:
-                raise ConfigError(f"pt2_handlers.quality_gate.{key} is a cosine in [-1, 1], got {value!r}")
-        key = "min_cosine" if dtype is DType.FLOAT32 else "min_cosine_half"
-        return CosineGate(overrides.get(key, DEFAULT_MIN_COSINE[dtype]))
+        return CosineGate(gate_threshold(dtype, overrides, cls.gate_keys, DEFAULT_MIN_COSINE, (-1.0, 1.0), "a cosine"))
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         return MeanPooledEmbedder(model).eval()

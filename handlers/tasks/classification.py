@@ -1,0 +1,143 @@
+"""Text classification, answered as transformers' ``text-classification`` pipeline answers.
+
+Accepted bodies:
+
+* raw text, or ``{"text": "...", "top_k": k}``      -> ``[{"label": ..., "score": ...}, ...]``
+* ``{"inputs": "..." | ["...", ...], "top_k": k}``  -> one such list per text
+
+``top_k``: how many labels, best first (default 1, as the pipeline); ``null`` means all of them.
+Scores: softmax over the labels for single-label models, a sigmoid per label for multi-label ones
+(``problem_type: multi_label_classification``) or a single logit, as the pipeline decides. Labels come from
+the model config's ``id2label``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+
+from handlers.config import DType
+from handlers.errors import InvalidInput
+from handlers.ladder import QualityError, QualityGate, tensors
+from handlers.tasks.base import Task, decode_body, gate_threshold
+
+DEFAULT_TOP_K = 1
+
+
+@dataclass(frozen=True)
+class ClassificationRequest:
+    texts: tuple[str, ...]
+    top_k: int | None  # None: every label
+    many: bool  # "inputs": one list of labels per text
+
+
+class ScoredClassifier(torch.nn.Module):
+    """The classification model plus the pipeline's score function, so the gate judges the scores clients get."""
+
+    def __init__(self, model: torch.nn.Module, multi_label: bool):
+        super().__init__()
+        self.model = model
+        self.multi_label = multi_label
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits.float()
+        return logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
+
+
+class ScoreGate(QualityGate):
+    """``score_agreement`` = 1 - the largest score difference from fp32 eager, over every row and label.
+    Scores within ``max_error`` also keep the labels: a ranking can only flip between labels whose fp32
+    scores are within twice that."""
+
+    metric = "score_agreement"
+
+    def __init__(self, max_error: float):
+        self.threshold = 1.0 - max_error
+
+    def measure(self, actual: Any, expected: Any) -> float:
+        (got,), (want,) = list(tensors(actual)), list(tensors(expected))
+        if got.shape != want.shape:
+            raise QualityError(f"scores have shape {tuple(got.shape)}, fp32 eager {tuple(want.shape)}")
+        error = (got.detach().float().cpu() - want.float().cpu()).abs().max()
+        return 1.0 - error.nan_to_num(2.0).item()
+
+
+# fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits: about 2 decimals of a probability.
+DEFAULT_MAX_SCORE_ERROR = {DType.FLOAT32: 1e-4, DType.BFLOAT16: 1e-2, DType.FLOAT16: 1e-2}
+
+
+class TextClassificationTask(Task):
+    name = "text-classification"
+    model_class = transformers.AutoModelForSequenceClassification
+    gate_keys = ("max_score_error", "max_score_error_half")
+
+    @classmethod
+    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> ScoreGate:
+        """``max_score_error`` applies to fp32 rungs, ``max_score_error_half`` to bf16/fp16 rungs."""
+        return ScoreGate(gate_threshold(dtype, overrides, cls.gate_keys, DEFAULT_MAX_SCORE_ERROR, (0.0, 1.0),
+                                        "a probability difference"))
+
+    def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        config = model.config
+        self.labels = [config.id2label[index] for index in range(config.num_labels)]
+        multi_label = config.problem_type == "multi_label_classification" or config.num_labels == 1
+        return ScoredClassifier(model, multi_label).eval()
+
+    def parse(self, body: Any) -> ClassificationRequest:
+        body = decode_body(body)
+        if isinstance(body, str):
+            return ClassificationRequest((body,), DEFAULT_TOP_K, many=False)
+        if not isinstance(body, Mapping):
+            raise InvalidInput(f"expected text or a JSON object, got JSON {type(body).__name__}")
+        present = [key for key in ("text", "inputs") if key in body]
+        if len(present) != 1:
+            raise InvalidInput('send exactly one of "text" or "inputs" in the JSON object')
+        key = present[0]
+        unknown = sorted(str(name) for name in body if name not in (key, "top_k"))
+        if unknown:
+            raise InvalidInput(f"unknown key(s) {', '.join(unknown)}; allowed here: {key}, top_k")
+        top_k = self._top_k(body.get("top_k", DEFAULT_TOP_K))
+        value = body[key]
+        if key == "text":
+            if not isinstance(value, str):
+                raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
+            return ClassificationRequest((value,), top_k, many=False)
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not texts:
+            raise InvalidInput('"inputs" must be a string or a non-empty list of strings')
+        if len(texts) > self.max_inputs:
+            raise InvalidInput(f'"inputs" has {len(texts)} texts; at most {self.max_inputs} per request')
+        bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+        if bad is not None:
+            raise InvalidInput(f'"inputs"[{bad}] must be a string, got {type(texts[bad]).__name__}')
+        return ClassificationRequest(tuple(texts), top_k, many=True)
+
+    def _top_k(self, value: Any) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInput(f'"top_k" must be a positive integer or null (all labels), got {value!r}')
+        return value
+
+    def preprocess(self, requests: Sequence[ClassificationRequest]) -> dict[str, torch.Tensor]:
+        return self.tokenize([text for request in requests for text in request.texts], padding=True)
+
+    def postprocess(self, outputs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+                    requests: Sequence[ClassificationRequest]) -> list[Any]:
+        scores = outputs.float().cpu()
+        answers, start = [], 0
+        for request in requests:
+            rows = [self._ranked(scores[start + offset], request.top_k) for offset in range(len(request.texts))]
+            answers.append(rows if request.many else rows[0])
+            start += len(request.texts)
+        return answers
+
+    def _ranked(self, row: torch.Tensor, top_k: int | None) -> list[dict[str, Any]]:
+        count = len(self.labels) if top_k is None else min(top_k, len(self.labels))
+        values, indices = row.topk(count)
+        return [{"label": self.labels[index], "score": value}
+                for value, index in zip(values.tolist(), indices.tolist(), strict=True)]
