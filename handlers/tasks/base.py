@@ -55,6 +55,19 @@ class Task(ABC):
     def postprocess(self, outputs: Any, inputs: Mapping[str, torch.Tensor], requests: Sequence[Any]) -> list[Any]:
         """Split the batch outputs into one JSON-serializable answer per request."""
 
+    def texts_of(self, value: Any, where: str) -> tuple[str, ...]:
+        """A string or a non-empty list of at most ``max_inputs`` strings, as a tuple; InvalidInput naming
+        ``where`` otherwise."""
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not texts:
+            raise InvalidInput(f"{where} must be a string or a non-empty list of strings")
+        if len(texts) > self.max_inputs:
+            raise InvalidInput(f"{where} has {len(texts)} texts; at most {self.max_inputs} per request")
+        bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+        if bad is not None:
+            raise InvalidInput(f"{where}[{bad}] must be a string, got {type(texts[bad]).__name__}")
+        return tuple(texts)
+
     @property
     def pad_values(self) -> dict[str, int]:
         """What each model input is padded with when the shape policy pads a batch up to a bucket."""

@@ -106,15 +106,7 @@ class TextClassificationTask(Task):
             if not isinstance(value, str):
                 raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
             return ClassificationRequest((value,), top_k, many=False)
-        texts = [value] if isinstance(value, str) else value
-        if not isinstance(texts, list) or not texts:
-            raise InvalidInput('"inputs" must be a string or a non-empty list of strings')
-        if len(texts) > self.max_inputs:
-            raise InvalidInput(f'"inputs" has {len(texts)} texts; at most {self.max_inputs} per request')
-        bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
-        if bad is not None:
-            raise InvalidInput(f'"inputs"[{bad}] must be a string, got {type(texts[bad]).__name__}')
-        return ClassificationRequest(tuple(texts), top_k, many=True)
+        return ClassificationRequest(self.texts_of(value, '"inputs"'), top_k, many=True)
 
     def _top_k(self, value: Any) -> int | None:
         if value is None:

@@ -90,7 +90,7 @@ class EmbeddingsTask(Task):
         if isinstance(body, str):
             return EmbeddingRequest((body,), Style.TEXT)
         if isinstance(body, list):
-            return EmbeddingRequest(self._texts(body, "the body"), Style.INPUTS)
+            return EmbeddingRequest(self.texts_of(body, "the body"), Style.INPUTS)
         if not isinstance(body, Mapping):
             raise InvalidInput(f"expected text or a JSON object, got JSON {type(body).__name__}")
         present = [style for style in Style if style.value in body]
@@ -106,18 +106,7 @@ class EmbeddingsTask(Task):
         value = body[style.value]
         if style is Style.TEXT and not isinstance(value, str):
             raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
-        return EmbeddingRequest(self._texts(value, f'"{style.value}"'), style)
-
-    def _texts(self, value: Any, where: str) -> tuple[str, ...]:
-        texts = [value] if isinstance(value, str) else value
-        if not isinstance(texts, list) or not texts:
-            raise InvalidInput(f"{where} must be a string or a non-empty list of strings")
-        if len(texts) > self.max_inputs:
-            raise InvalidInput(f"{where} has {len(texts)} texts; at most {self.max_inputs} per request")
-        bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
-        if bad is not None:
-            raise InvalidInput(f"{where}[{bad}] must be a string, got {type(texts[bad]).__name__}")
-        return tuple(texts)
+        return EmbeddingRequest(self.texts_of(value, f'"{style.value}"'), style)
 
     def preprocess(self, requests: Sequence[EmbeddingRequest]) -> dict[str, torch.Tensor]:
         return self.tokenize([text for request in requests for text in request.texts], padding=True)
