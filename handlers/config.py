@@ -49,6 +49,13 @@ class DType(str, enum.Enum):
         return getattr(torch, self.value)
 
 
+class TooLong(str, enum.Enum):
+    """What a text longer than the model reads (``max_length`` tokens) gets."""
+
+    REJECT = "reject"  # a 400 naming the text and its length: the client decides what to cut
+    TRUNCATE = "truncate"  # the first max_length tokens are read, the rest ignored
+
+
 @dataclass(frozen=True)
 class CompileSpec:
     """The ``torch.compile`` arguments of one rung. ``enabled`` False means: do not compile."""
@@ -111,6 +118,7 @@ class HandlerSettings:
     task: str = "embeddings"
     model_dir: str = "model"
     max_length: int | None = None
+    too_long: TooLong | None = None  # None: the task's own default (embeddings truncate, the others reject)
     dtype: DType = DType.AUTO
     ladder: tuple[RungName, ...] = (RungName.COMPILE, RungName.SAFE_COMPILE, RungName.IPEX, RungName.EAGER)
     shapes: ShapePolicy = field(default_factory=ShapePolicy)
@@ -297,6 +305,7 @@ def _parse_settings(value: Any, compile_spec: CompileSpec) -> HandlerSettings:
         task=task,
         model_dir=section.get("model_dir", (str,), defaults.model_dir),
         max_length=_positive(section, "max_length", None),
+        too_long=section.choice("too_long", TooLong, None),
         dtype=section.choice("dtype", DType, defaults.dtype),
         ladder=_parse_ladder(section, defaults.ladder),
         shapes=_parse_shapes(section, compile_spec),

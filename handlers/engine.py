@@ -83,7 +83,8 @@ class Engine:
         model, tokenizer = load_pretrained(model_dir, task_class.model_class, torch.float32, self.device)
         max_length = resolve_max_length(model_dir, model, tokenizer, settings.max_length)
         self.shapes = settings.shapes.fitted(max_length)
-        self._task = task_class(tokenizer, max_length, settings.max_inputs_per_request, self.model_name)
+        self._task = task_class(tokenizer, max_length, settings.max_inputs_per_request, self.model_name,
+                                settings.too_long)
         reference = self._task.build_module(model)
         dtype: DType = self.dtype.value
         serving = reference if dtype is DType.FLOAT32 else copy.deepcopy(reference).to(dtype.torch)
@@ -119,15 +120,15 @@ class Engine:
                 answers[index] = exc
         if parsed:
             requests = list(parsed.values())
-            inputs = self._task.preprocess(requests)
+            encoded = self._task.preprocess(requests)
             try:
-                outputs = self._forward(inputs)
+                outputs = self._forward(encoded.inputs)
             except InferenceError:
                 raise
             except Exception as exc:
                 logger.exception("eager forward failed too on a batch of %d requests", len(requests))
                 raise InferenceError("inference failed for this batch") from exc
-            results = self._task.postprocess(outputs, inputs, requests)
+            results = self._task.postprocess(outputs, encoded, requests)
             if len(results) != len(requests):
                 raise InferenceError(f"task returned {len(results)} answers for {len(requests)} requests")
             for index, result in zip(parsed, results, strict=True):
@@ -170,6 +171,8 @@ class Engine:
             "state": self.state.value,
             "failure": self.failure,
             "task": settings.task,
+            "inputs": {"max_length": self._task.max_length, "too_long": self._task.too_long.value,
+                       "max_per_request": self._task.max_inputs} if self._task else None,
             "load_seconds": self.load_seconds,
             "optimization": optimization,
             "batches": {"count": self.batches, "max_requests": self.max_batch_requests},

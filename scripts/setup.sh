@@ -5,6 +5,9 @@
 #   bash scripts/setup.sh --profile ipex    ipex profile in .venv-ipex: torch 2.8.0 + intel-extension-for-pytorch 2.8.0
 #   bash scripts/setup.sh --ipex-wheel      print a directory holding the unpacked IPEX 2.8.0 wheel (no install),
 #                                           for the test that puts it beside torch 2.13 (a version mismatch)
+#   bash scripts/setup.sh --qa-reference    print a directory holding transformers 4.57.1 (no install into a venv):
+#                                           its question-answering pipeline, which transformers 5 dropped, is the
+#                                           reference the QA task is proven against (tests/pipeline_reference.py)
 #
 # Default: torch 2.13.0 CPU is installed first, pinned, so nothing later pulls a multi-GB CUDA build.
 # ipex: IPEX 2.8 works only with torch 2.8.*, and the only torch 2.8.0 wheel the registry has is the CUDA
@@ -20,10 +23,14 @@ case "${1:-}" in
   "") ;;
   --profile) PROFILE=${2:?--profile needs a name: default or ipex} ;;
   --ipex-wheel) PROFILE=ipex-wheel ;;
-  *) echo "usage: $0 [--profile default|ipex] [--ipex-wheel]" >&2; exit 2 ;;
+  --qa-reference) PROFILE=qa-reference ;;
+  *) echo "usage: $0 [--profile default|ipex] [--ipex-wheel] [--qa-reference]" >&2; exit 2 ;;
 esac
 PROFILES_DIR=${PT2_PROFILES_DIR:-$HOME/.cache/pt2-handlers}
 IPEX_PIN="intel-extension-for-pytorch==2.8.0"
+# The last transformers with the question-answering pipeline, and the versions of its own dependencies it accepts.
+QA_REFERENCE_PINS=(transformers==4.57.1 tokenizers==0.22.2 huggingface-hub==0.36.2 requests==2.34.2 urllib3==2.8.0
+                   idna==3.20 charset-normalizer==3.5.2 certifi==2026.10.18)
 started=$(date +%s)
 
 pip_in() { "$1/bin/python" -m pip --disable-pip-version-check -q "${@:2}"; }
@@ -85,6 +92,17 @@ print(hashlib.sha256(json.dumps(pins).encode()).hexdigest()[:12])')
       touch "$unpacked/.complete"
     fi
     echo "$unpacked"
+    ;;
+  qa-reference)
+    target="$PROFILES_DIR/transformers-4.57.1-reference"
+    if [ ! -f "$target/.complete" ]; then
+      rm -rf "$target"
+      mkdir -p "$target"
+      python=$(command -v .venv/bin/python || command -v python3)
+      "$python" -m pip --disable-pip-version-check -q install --no-deps --target "$target" "${QA_REFERENCE_PINS[@]}" >&2
+      touch "$target/.complete"
+    fi
+    echo "$target"
     ;;
   *) echo "[setup] unknown profile $PROFILE (default or ipex)" >&2; exit 2 ;;
 esac

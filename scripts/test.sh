@@ -19,6 +19,10 @@ shared_store=.cache/shared-store
 .venv/bin/python scripts/package.py --name minilm --export-path "$shared_store"
 export PT2_SHARED_ARCHIVE=$PWD/$shared_store/minilm.mar
 
+# transformers 4.57.1 beside the venvs (never imported by them): the question-answering pipeline the QA task is
+# proven against, run in a subprocess (tests/pipeline_reference.py).
+export PT2_QA_REFERENCE_DIR=${PT2_QA_REFERENCE_DIR:-$(bash scripts/setup.sh --qa-reference)}
+
 stage() {  # profile venv inductor-cache [pytest args]
   local profile=$1 venv=$2 cache=$3
   shift 3

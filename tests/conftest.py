@@ -17,13 +17,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SHARED_ARCHIVE_ENV = "PT2_SHARED_ARCHIVE"  # one minilm.mar for both profiles (scripts/test.sh)
 IPEX_WHEEL_ENV = "PT2_IPEX_WHEEL_DIR"  # the IPEX 2.8 wheel, unpacked, for the version-mismatch tests
+QA_REFERENCE_ENV = "PT2_QA_REFERENCE_DIR"  # transformers 4.57.1, whose question-answering pipeline is the reference
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
     gpu needs CUDA; ipex needs the ipex profile; ipex_mismatch needs the default profile and the IPEX wheel
-    unpacked beside it. scripts/test.sh runs both profiles, so only gpu stays unrun on a CPU machine."""
+    unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv. scripts/test.sh provides them all
+    and runs both profiles, so only gpu stays unrun on a CPU machine."""
     for marker, reason in unavailable_reasons().items():
         chosen = [item for item in items if item.get_closest_marker(marker)]
         if reason is None or not chosen:
@@ -46,7 +48,10 @@ def unavailable_reasons() -> dict[str, str | None]:
         mismatch = f"set {IPEX_WHEEL_ENV} to the unpacked IPEX wheel (scripts/test.sh does: setup.sh --ipex-wheel)"
     else:
         mismatch = None
-    return {"gpu": gpu, "ipex": ipex and f"{ipex} (scripts/test.sh runs them there)", "ipex_mismatch": mismatch}
+    qa_reference = None if os.environ.get(QA_REFERENCE_ENV) else (
+        f"set {QA_REFERENCE_ENV} to transformers 4.57.1 (scripts/test.sh does: setup.sh --qa-reference)")
+    return {"gpu": gpu, "ipex": ipex and f"{ipex} (scripts/test.sh runs them there)", "ipex_mismatch": mismatch,
+            "qa_reference": qa_reference}
 
 
 @pytest.fixture(scope="session")
@@ -75,17 +80,17 @@ def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) ->
 
 
 @pytest.fixture(scope="session")
-def classifier_dirs(tmp_path_factory) -> dict[str, Path]:
-    """The text-classification models of scripts/make_test_models.py (MiniLM + seeded heads)."""
+def task_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Every model of scripts/make_test_models.py (MiniLM + seeded heads), by name."""
     sys.path.insert(0, str(REPO / "scripts"))
     import make_test_models
 
     out = tmp_path_factory.mktemp("test-models")
-    return {name: make_test_models.build(name, out) for name in ("minilm-sentiment", "minilm-topics")}
+    return {name: make_test_models.build(name, out) for name in make_test_models.MODELS}
 
 
 @pytest.fixture(scope="session")
-def model_store(tmp_path_factory, minilm_dir, classifier_dirs):
+def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
     """The archives the integration tests serve, built by scripts/package.py as a user builds them."""
     sys.path.insert(0, str(REPO / "scripts"))
     import package
@@ -97,8 +102,10 @@ def model_store(tmp_path_factory, minilm_dir, classifier_dirs):
     else:
         package.build("minilm", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml", store)
     package.build("minilm-buckets", minilm_dir, REPO / "tests" / "configs" / "minilm-buckets.yaml", store)
-    package.build("minilm-sentiment", classifier_dirs["minilm-sentiment"],
-                  REPO / "model_configs" / "minilm-text-classification.yaml", store)
+    for name, config in (("minilm-sentiment", "minilm-text-classification.yaml"),
+                         ("minilm-ner", "minilm-token-classification.yaml"),
+                         ("minilm-qa", "minilm-question-answering.yaml")):
+        package.build(name, task_model_dirs[name], REPO / "model_configs" / config, store)
     package.build("minilm-faulty", minilm_dir, REPO / "tests" / "configs" / "minilm-faulty-backend.yaml", store,
                   extra_files=(REPO / "tests" / "faulty_backends.py",))
     return store

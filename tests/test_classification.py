@@ -22,10 +22,10 @@ TEXTS = [
 ]
 
 
-def eager_engine(model_dir: Path) -> Engine:
+def eager_engine(model_dir: Path, **settings) -> Engine:
     raw = {"pt2": {"compile": {"enable": False}},
            "pt2_handlers": {"task": "text-classification", "model_dir": str(model_dir), "ladder": ["eager"],
-                            "dtype": "float32", "max_inputs_per_request": 4}}
+                            "dtype": "float32", "max_inputs_per_request": 4, **settings}}
     engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), model_dir.name)
     engine.load()
     return engine
@@ -38,17 +38,17 @@ def assert_same_labels(got: list[dict], want: list[dict], tolerance: float = 1e-
 
 
 @pytest.fixture(scope="module", params=["minilm-sentiment", "minilm-topics"])
-def model_and_pipeline(request, classifier_dirs):
+def model_and_pipeline(request, task_model_dirs):
     import transformers
 
-    model_dir = classifier_dirs[request.param]
+    model_dir = task_model_dirs[request.param]
     pipe = transformers.pipeline("text-classification", model=str(model_dir), device="cpu")
     return request.param, eager_engine(model_dir), pipe
 
 
 @pytest.fixture(scope="module")
-def sentiment(classifier_dirs):
-    return eager_engine(classifier_dirs["minilm-sentiment"])
+def sentiment(task_model_dirs):
+    return eager_engine(task_model_dirs["minilm-sentiment"])
 
 
 def test_every_answer_equals_the_pipeline(model_and_pipeline):
@@ -78,6 +78,23 @@ def test_scores_follow_the_model_config(model_and_pipeline):
     else:
         assert sorted(row["label"] for row in every) == ["music", "politics", "science", "sports"]
         assert total > 1.0  # multi-label: a sigmoid per label, not a distribution
+
+
+def test_over_long_texts_are_refused_by_default_and_truncated_when_configured(task_model_dirs, sentiment):
+    import transformers
+
+    model_dir = task_model_dirs["minilm-sentiment"]
+    long_text = "a much longer text about serving models in production " * 80  # 722 tokens, past 512
+    good, bad, too = sentiment.predict([TEXTS[0], {"text": long_text}, long_text])
+    assert isinstance(bad, InvalidInput) and bad.status == 400, bad
+    assert bad.message.startswith('"text" is 722 tokens long; this model reads at most 512')
+    assert isinstance(too, InvalidInput) and too.message.startswith("the text is 722 tokens long")
+    assert good[0]["label"]
+    lenient = eager_engine(model_dir, too_long="truncate")
+    (answer,) = lenient.predict([{"text": long_text, "top_k": None}])
+    pipe = transformers.pipeline("text-classification", model=str(model_dir), device="cpu")
+    assert_same_labels(answer, pipe(long_text, top_k=None, truncation=True, max_length=512))
+    assert lenient.describe()["inputs"]["too_long"] == "truncate"
 
 
 @pytest.mark.parametrize(("body", "message"), [

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
 import torch
 
-from handlers.config import CompileSpec, DType, HandlerSettings, RungName, load_config
+from handlers.config import CompileSpec, DType, HandlerSettings, RungName, TooLong, load_config
 from handlers.errors import ConfigError
 from handlers.hardware import resolve_dtype, resolve_threads
 from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
+
+MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
 
 
 def test_no_pt2_section_means_no_compile_and_default_settings():
@@ -137,6 +140,8 @@ def test_the_input_mapping_is_never_mutated():
         ({"minWorkers": 0}, r"minWorkers must be a positive integer"),
         ({"pt2_handlers": {"max_runtime_failure": 3}}, r"pt2_handlers: unknown key\(s\) max_runtime_failure"),
         ({"pt2_handlers": "embeddings"}, r"pt2_handlers must be a mapping, got str"),
+        ({"pt2_handlers": {"too_long": "cut"}}, r"pt2_handlers.too_long: 'cut' is not allowed; use one of: reject, "
+                                                r"truncate"),
     ],
 )
 def test_invalid_configs_name_the_key_and_what_is_allowed(raw, message):
@@ -151,8 +156,10 @@ def test_settings_section_with_every_key():
                                                        "seq_lengths": [32], "after_ready": "fail"},
         "quality_gate": {"min_cosine": 0.99, "min_cosine_half": 0.98}, "freezing": False, "threads": 3,
         "compile_cache": "/srv/cache", "max_runtime_failures": 5, "max_inputs_per_request": 8,
+        "too_long": "reject",
     }}).settings
     assert settings.model_dir == "weights" and settings.max_length == 128
+    assert settings.too_long is TooLong.REJECT
     assert settings.dtype is DType.BFLOAT16
     assert settings.ladder == (RungName.SAFE_COMPILE, RungName.EAGER)
     assert settings.shapes == ShapePolicy(PolicyKind.BUCKETS, (1, 8), (32,), AfterReady.FAIL)
@@ -221,12 +228,9 @@ def test_safer_compile_drops_the_risky_parts():
     assert not spec.with_shapes(dynamic=False, freezing=False).one_graph
 
 
-@pytest.mark.parametrize("name", ["minilm-embeddings.yaml", "minilm-text-classification.yaml"])
+@pytest.mark.parametrize("name", sorted(path.name for path in MODEL_CONFIGS.glob("minilm-*.yaml")))
 def test_every_shipped_model_yaml_loads(name):
-    from pathlib import Path
-
     import yaml
 
-    path = Path(__file__).resolve().parent.parent / "model_configs" / name
-    config = load_config(yaml.safe_load(path.read_text()))
+    config = load_config(yaml.safe_load((MODEL_CONFIGS / name).read_text()))
     assert config.compile.enabled and config.settings.task == name.removeprefix("minilm-").removesuffix(".yaml")

@@ -137,22 +137,28 @@ def test_bad_input_gets_a_400_naming_the_problem_and_the_worker_stays_up(server,
     assert describe(server)["workers"][0]["pid"] == pid
 
 
-def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, reference):
-    barrier = threading.Barrier(len(TEXTS))
-    answers: dict[int, tuple[int, dict]] = {}
+def concurrently(server, bodies: list, model: str = "minilm") -> list[tuple[int, object]]:
+    """(status, answer) per body, all sent at once so that TorchServe batches them server-side."""
+    barrier = threading.Barrier(len(bodies))
+    answers: dict[int, tuple[int, object]] = {}
 
     def send(index):
         barrier.wait()
-        answers[index] = predict(server, {"text": TEXTS[index]})
+        answers[index] = predict(server, bodies[index], model=model)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(TEXTS))]
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
-    assert sorted(answers) == list(range(len(TEXTS)))
+        thread.join(timeout=300)
+    assert sorted(answers) == list(range(len(bodies)))
+    return [answers[index] for index in range(len(bodies))]
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, reference):
+    answers = concurrently(server, [{"text": text} for text in TEXTS])
     want = reference(TEXTS)
-    for index, (status, answer) in answers.items():
+    for index, (status, answer) in enumerate(answers):
         assert status == 200
         assert_close_embeddings(answer["embedding"], want[index])
     batches = describe(server)["customizedMetadata"]["batches"]
@@ -272,36 +278,102 @@ def assert_same_classification(got: list[dict], want: list[dict], tolerance: flo
             assert got[rank]["label"] == want[rank]["label"], (got, want)
 
 
-def test_text_classification_compiled_equals_the_pipeline(server, classifier_dirs):
+def test_text_classification_compiled_equals_the_pipeline(server, task_model_dirs):
     import transformers
 
     from tests.test_classification import TEXTS as CLASSIFY
 
-    status, body = server.management(
-        "POST", "/models?url=minilm-sentiment.mar&initial_workers=1&synchronous=true", timeout=900)
-    assert status == 200, body
+    optimization = registered(server, "minilm-sentiment")
     try:
-        optimization = describe(server, "minilm-sentiment")["customizedMetadata"]["optimization"]
-        assert optimization["active"] == "compile", optimization["attempts"]
-        quality = optimization["attempts"][0]["quality"]
-        assert quality["metric"] == "score_agreement" and quality["value"] >= quality["threshold"]
         tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
-        pipe = transformers.pipeline("text-classification", model=str(classifier_dirs["minilm-sentiment"]),
+        pipe = transformers.pipeline("text-classification", model=str(task_model_dirs["minilm-sentiment"]),
                                      device="cpu")
-        for text in CLASSIFY:
-            status, answer = predict(server, {"text": text, "top_k": None}, model="minilm-sentiment")
+        bodies = [*({"text": text, "top_k": None} for text in CLASSIFY), {"inputs": CLASSIFY, "top_k": None},
+                  {"text": "hi", "top_k": "two"}]  # a bad neighbour in the same batches
+        answers = concurrently(server, bodies, model="minilm-sentiment")
+        for text, (status, answer) in zip(CLASSIFY, answers, strict=False):
             assert status == 200, answer
             assert_same_classification(answer, pipe(text, top_k=None), tolerance)
-        status, answers = predict(server, {"inputs": CLASSIFY, "top_k": None}, model="minilm-sentiment")
-        assert status == 200 and len(answers) == len(CLASSIFY)
-        for got, want in zip(answers, pipe(CLASSIFY, top_k=None), strict=True):
+        status, many = answers[len(CLASSIFY)]
+        assert status == 200 and len(many) == len(CLASSIFY)
+        for got, want in zip(many, pipe(CLASSIFY, top_k=None), strict=True):
             assert_same_classification(got, want, tolerance)
-        status, error = predict(server, {"text": "hi", "top_k": "two"}, model="minilm-sentiment")
+        status, error = answers[-1]
         assert status == 400 and '"top_k" must be a positive integer or null' in error["message"]
-        runtime = describe(server, "minilm-sentiment")["customizedMetadata"]["optimization"]["runtime"]
-        assert runtime["compiles_after_ready"] == 0 and runtime["runtime_failures"] == 0
+        status, error = predict(server, {"text": "too long " * 600}, model="minilm-sentiment")
+        assert status == 400 and '"text" is 1202 tokens long; this model reads at most 512' in error["message"]
+        assert_nothing_compiled_after_ready(server, "minilm-sentiment")
     finally:
         assert server.management("DELETE", "/models/minilm-sentiment")[0] == 200
+
+
+def registered(server, model: str) -> dict:
+    """Register ``model``.mar with one worker; its optimization metadata once READY, with the compiled rung active."""
+    status, body = server.management("POST", f"/models?url={model}.mar&initial_workers=1&synchronous=true",
+                                     timeout=900)
+    assert status == 200, body
+    optimization = describe(server, model)["customizedMetadata"]["optimization"]
+    assert optimization["active"] == "compile", optimization["attempts"]
+    quality = optimization["attempts"][0]["quality"]
+    assert quality["metric"] == "score_agreement" and quality["value"] >= quality["threshold"]
+    return optimization
+
+
+def assert_nothing_compiled_after_ready(server, model: str) -> None:
+    runtime = describe(server, model)["customizedMetadata"]["optimization"]["runtime"]
+    assert runtime["compiles_after_ready"] == 0 and runtime["runtime_failures"] == 0, runtime
+
+
+def test_token_classification_compiled_equals_the_pipeline(server, task_model_dirs):
+    import transformers
+
+    from tests.test_token_classification import TEXTS as NER_TEXTS
+    from tests.test_token_classification import assert_same_entities
+
+    optimization = registered(server, "minilm-ner")
+    try:
+        tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
+        pipe = transformers.pipeline("token-classification", model=str(task_model_dirs["minilm-ner"]), device="cpu")
+        bodies = [{"text": text, "aggregation_strategy": strategy}
+                  for text in NER_TEXTS for strategy in ("none", "simple")]
+        bodies.append({"text": "fine", "aggregation_strategy": "loud"})  # a bad neighbour in the same batches
+        answers = concurrently(server, bodies, model="minilm-ner")
+        for body, (status, answer) in zip(bodies[:-1], answers[:-1], strict=True):
+            assert status == 200, answer
+            want = pipe(body["text"], aggregation_strategy=body["aggregation_strategy"])
+            assert_same_entities(answer, want, tolerance)
+        status, error = answers[-1]
+        assert status == 400 and '"aggregation_strategy" must be one of' in error["message"]
+        status, error = predict(server, "Paris " * 600, content_type="text/plain", model="minilm-ner")
+        assert status == 400 and "is 602 tokens long; this model reads at most 512" in error["message"]
+        assert_nothing_compiled_after_ready(server, "minilm-ner")
+    finally:
+        assert server.management("DELETE", "/models/minilm-ner")[0] == 200
+
+
+@pytest.mark.qa_reference
+def test_question_answering_compiled_equals_the_pipeline(server, task_model_dirs):
+    from tests import pipeline_reference
+    from tests.test_question_answering import CALLS, assert_same_answer
+
+    optimization = registered(server, "minilm-qa")
+    try:
+        tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
+        want = pipeline_reference.answers(task_model_dirs["minilm-qa"], CALLS)
+        bodies = [*CALLS, {"question": "Who?"}]  # a bad neighbour in the same batches
+        answers = concurrently(server, bodies, model="minilm-qa")
+        for (status, answer), expected in zip(answers[:-1], want, strict=True):
+            assert status == 200, answer
+            assert_same_answer(answer, expected, tolerance)
+        status, error = answers[-1]
+        assert status == 400 and 'the request has no "context"' in error["message"]
+        status, answers = predict(server, {"inputs": [{k: c[k] for k in ("question", "context")} for c in CALLS]},
+                                  model="minilm-qa")
+        assert status == 200 and len(answers) == len(CALLS)
+        assert_same_answer(answers[0], want[0], tolerance)
+        assert_nothing_compiled_after_ready(server, "minilm-qa")
+    finally:
+        assert server.management("DELETE", "/models/minilm-qa")[0] == 200
 
 
 def test_unregister(server):

@@ -9,9 +9,12 @@ from handlers.errors import ConfigError
 from handlers.tasks.base import Task
 from handlers.tasks.classification import TextClassificationTask
 from handlers.tasks.embeddings import EmbeddingsTask
+from handlers.tasks.question_answering import QuestionAnsweringTask
+from handlers.tasks.token_classification import TokenClassificationTask
 
 TASKS: Mapping[str, type[Task]] = MappingProxyType({
-    task.name: task for task in (EmbeddingsTask, TextClassificationTask)
+    task.name: task for task in (
+        EmbeddingsTask, TextClassificationTask, TokenClassificationTask, QuestionAnsweringTask)
 })
 
 

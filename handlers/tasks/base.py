@@ -8,24 +8,36 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from handlers.config import DType
+from handlers.config import DType, TooLong
 from handlers.errors import ConfigError, InvalidInput
-from handlers.ladder import QualityGate
+from handlers.ladder import QualityError, QualityGate, tensors
 
 WARMUP_WORDS = "the quick brown fox jumps over the lazy dog while a cat watches from the warm window".split()
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """One batch as the module takes it (``inputs``), plus what postprocess needs to map rows back to
+    requests (``extras``: e.g. character offsets per token, or which request each row belongs to)."""
+
+    inputs: dict[str, torch.Tensor]
+    extras: Any = None
+
+
 class Task(ABC):
-    """One task. Subclasses set ``name``, ``model_class`` and ``gate_keys``, and implement the hooks."""
+    """One task. Subclasses set ``name``, ``model_class``, ``gate_keys`` and ``default_too_long``, and
+    implement the hooks."""
 
     name: ClassVar[str]
     model_class: ClassVar[Any]  # a transformers Auto* class
     gate_keys: ClassVar[tuple[str, ...]]  # the keys this task reads from pt2_handlers.quality_gate
+    default_too_long: ClassVar[TooLong] = TooLong.REJECT  # a text past max_length, unless the YAML says
 
     @classmethod
     @abstractmethod
@@ -33,11 +45,13 @@ class Task(ABC):
         """The acceptance metric for a rung serving in ``dtype``, with configured thresholds applied;
         ConfigError for a threshold out of range."""
 
-    def __init__(self, tokenizer: Any, max_length: int, max_inputs: int, model_name: str):
+    def __init__(self, tokenizer: Any, max_length: int, max_inputs: int, model_name: str,
+                 too_long: TooLong | None = None):
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_inputs = max_inputs
         self.model_name = model_name
+        self.too_long = too_long or self.default_too_long
 
     @abstractmethod
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -48,16 +62,16 @@ class Task(ABC):
         """Validate one request body into a request object; raise InvalidInput naming the problem."""
 
     @abstractmethod
-    def preprocess(self, requests: Sequence[Any]) -> dict[str, torch.Tensor]:
+    def preprocess(self, requests: Sequence[Any]) -> Encoded:
         """Collate parsed requests into one batch of model inputs (CPU tensors)."""
 
     @abstractmethod
-    def postprocess(self, outputs: Any, inputs: Mapping[str, torch.Tensor], requests: Sequence[Any]) -> list[Any]:
+    def postprocess(self, outputs: Any, encoded: Encoded, requests: Sequence[Any]) -> list[Any]:
         """Split the batch outputs into one JSON-serializable answer per request."""
 
     def texts_of(self, value: Any, where: str) -> tuple[str, ...]:
-        """A string or a non-empty list of at most ``max_inputs`` strings, as a tuple; InvalidInput naming
-        ``where`` otherwise."""
+        """A string or a non-empty list of at most ``max_inputs`` strings, as a tuple, each within the length
+        policy; InvalidInput naming ``where`` otherwise."""
         texts = [value] if isinstance(value, str) else value
         if not isinstance(texts, list) or not texts:
             raise InvalidInput(f"{where} must be a string or a non-empty list of strings")
@@ -66,7 +80,19 @@ class Task(ABC):
         bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
         if bad is not None:
             raise InvalidInput(f"{where}[{bad}] must be a string, got {type(texts[bad]).__name__}")
+        if self.too_long is TooLong.REJECT:
+            self.check_lengths(texts, where if isinstance(value, str) else f"{where}[{{}}]")
         return tuple(texts)
+
+    def check_lengths(self, texts: Sequence[str], where: str) -> None:
+        """InvalidInput for the first text with more than ``max_length`` tokens (special tokens included);
+        ``where`` may hold ``{}`` for the text's index."""
+        lengths = self.tokenizer(list(texts), add_special_tokens=True, return_length=True)["length"]
+        for index, length in enumerate(lengths):
+            if length > self.max_length:
+                raise InvalidInput(
+                    f"{where.format(index)} is {length} tokens long; this model reads at most {self.max_length}. "
+                    "Shorten it, or serve the model with pt2_handlers.too_long: truncate")
 
     @property
     def pad_values(self) -> dict[str, int]:
@@ -107,6 +133,45 @@ def decode_body(body: Any) -> Any:
     if body is None:
         raise InvalidInput("request body is empty")
     return body
+
+
+class ScoreGate(QualityGate):
+    """``score_agreement`` = 1 - the largest score difference from fp32 eager, over every output, row and
+    label. ``to_scores`` turns each output tensor into the probabilities clients see (e.g. a softmax over
+    logits); by default the outputs are those probabilities. Scores within ``max_error`` also keep the
+    labels: a ranking can only flip between labels whose fp32 scores are within twice that."""
+
+    metric = "score_agreement"
+
+    def __init__(self, max_error: float, to_scores: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.threshold = 1.0 - max_error
+        self.to_scores = to_scores or (lambda scores: scores)
+
+    def measure(self, actual: Any, expected: Any) -> float:
+        got, want = list(tensors(actual)), list(tensors(expected))
+        if [t.shape for t in got] != [t.shape for t in want]:
+            raise QualityError(f"outputs have shapes {[tuple(t.shape) for t in got]}, "
+                               f"fp32 eager {[tuple(t.shape) for t in want]}")
+        error = max((self.to_scores(ours.detach().float().cpu()) - self.to_scores(theirs.float().cpu())).abs().max()
+                    for ours, theirs in zip(got, want, strict=True))
+        return 1.0 - error.nan_to_num(2.0).item()
+
+
+# fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits: about 2 decimals of a probability.
+DEFAULT_MAX_SCORE_ERROR = {DType.FLOAT32: 1e-4, DType.BFLOAT16: 1e-2, DType.FLOAT16: 1e-2}
+SCORE_GATE_KEYS = ("max_score_error", "max_score_error_half")
+
+
+def score_gate(dtype: DType, overrides: Mapping[str, float],
+               to_scores: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ScoreGate:
+    """The score gate of the classification-like tasks: ``max_score_error`` for fp32 rungs,
+    ``max_score_error_half`` for bf16/fp16 ones."""
+    return ScoreGate(gate_threshold(dtype, overrides, SCORE_GATE_KEYS, DEFAULT_MAX_SCORE_ERROR, (0.0, 1.0),
+                                    "a probability difference"), to_scores)
+
+
+def softmax_scores(logits: torch.Tensor) -> torch.Tensor:
+    return logits.softmax(dim=-1)
 
 
 def gate_threshold(dtype: DType, overrides: Mapping[str, float], keys: tuple[str, str],

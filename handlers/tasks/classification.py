@@ -22,8 +22,7 @@ import transformers
 
 from handlers.config import DType
 from handlers.errors import InvalidInput
-from handlers.ladder import QualityError, QualityGate, tensors
-from handlers.tasks.base import Task, decode_body, gate_threshold
+from handlers.tasks.base import SCORE_GATE_KEYS, Encoded, ScoreGate, Task, decode_body, score_gate
 
 DEFAULT_TOP_K = 1
 
@@ -48,38 +47,14 @@ class ScoredClassifier(torch.nn.Module):
         return logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
 
 
-class ScoreGate(QualityGate):
-    """``score_agreement`` = 1 - the largest score difference from fp32 eager, over every row and label.
-    Scores within ``max_error`` also keep the labels: a ranking can only flip between labels whose fp32
-    scores are within twice that."""
-
-    metric = "score_agreement"
-
-    def __init__(self, max_error: float):
-        self.threshold = 1.0 - max_error
-
-    def measure(self, actual: Any, expected: Any) -> float:
-        (got,), (want,) = list(tensors(actual)), list(tensors(expected))
-        if got.shape != want.shape:
-            raise QualityError(f"scores have shape {tuple(got.shape)}, fp32 eager {tuple(want.shape)}")
-        error = (got.detach().float().cpu() - want.float().cpu()).abs().max()
-        return 1.0 - error.nan_to_num(2.0).item()
-
-
-# fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits: about 2 decimals of a probability.
-DEFAULT_MAX_SCORE_ERROR = {DType.FLOAT32: 1e-4, DType.BFLOAT16: 1e-2, DType.FLOAT16: 1e-2}
-
-
 class TextClassificationTask(Task):
     name = "text-classification"
     model_class = transformers.AutoModelForSequenceClassification
-    gate_keys = ("max_score_error", "max_score_error_half")
+    gate_keys = SCORE_GATE_KEYS
 
     @classmethod
     def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> ScoreGate:
-        """``max_score_error`` applies to fp32 rungs, ``max_score_error_half`` to bf16/fp16 rungs."""
-        return ScoreGate(gate_threshold(dtype, overrides, cls.gate_keys, DEFAULT_MAX_SCORE_ERROR, (0.0, 1.0),
-                                        "a probability difference"))
+        return score_gate(dtype, overrides)
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         config = model.config
@@ -90,7 +65,7 @@ class TextClassificationTask(Task):
     def parse(self, body: Any) -> ClassificationRequest:
         body = decode_body(body)
         if isinstance(body, str):
-            return ClassificationRequest((body,), DEFAULT_TOP_K, many=False)
+            return ClassificationRequest(self.texts_of(body, "the text"), DEFAULT_TOP_K, many=False)
         if not isinstance(body, Mapping):
             raise InvalidInput(f"expected text or a JSON object, got JSON {type(body).__name__}")
         present = [key for key in ("text", "inputs") if key in body]
@@ -102,11 +77,9 @@ class TextClassificationTask(Task):
             raise InvalidInput(f"unknown key(s) {', '.join(unknown)}; allowed here: {key}, top_k")
         top_k = self._top_k(body.get("top_k", DEFAULT_TOP_K))
         value = body[key]
-        if key == "text":
-            if not isinstance(value, str):
-                raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
-            return ClassificationRequest((value,), top_k, many=False)
-        return ClassificationRequest(self.texts_of(value, '"inputs"'), top_k, many=True)
+        if key == "text" and not isinstance(value, str):
+            raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
+        return ClassificationRequest(self.texts_of(value, f'"{key}"'), top_k, many=key == "inputs")
 
     def _top_k(self, value: Any) -> int | None:
         if value is None:
@@ -115,10 +88,10 @@ class TextClassificationTask(Task):
             raise InvalidInput(f'"top_k" must be a positive integer or null (all labels), got {value!r}')
         return value
 
-    def preprocess(self, requests: Sequence[ClassificationRequest]) -> dict[str, torch.Tensor]:
-        return self.tokenize([text for request in requests for text in request.texts], padding=True)
+    def preprocess(self, requests: Sequence[ClassificationRequest]) -> Encoded:
+        return Encoded(self.tokenize([text for request in requests for text in request.texts], padding=True))
 
-    def postprocess(self, outputs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+    def postprocess(self, outputs: torch.Tensor, encoded: Encoded,
                     requests: Sequence[ClassificationRequest]) -> list[Any]:
         scores = outputs.float().cpu()
         answers, start = [], 0

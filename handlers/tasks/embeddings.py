@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import transformers
 
-from handlers.config import DType
+from handlers.config import DType, TooLong
 from handlers.errors import InvalidInput
 from handlers.ladder import QualityError, QualityGate, tensors
-from handlers.tasks.base import Task, decode_body, gate_threshold
+from handlers.tasks.base import Encoded, Task, decode_body, gate_threshold
 
 # Keys OpenAI clients send beside "input"; only what changes the answer is checked.
 OPENAI_EXTRA_KEYS = frozenset({"model", "encoding_format", "user"})
@@ -76,6 +76,7 @@ class EmbeddingsTask(Task):
     name = "embeddings"
     model_class = transformers.AutoModel
     gate_keys = ("min_cosine", "min_cosine_half")
+    default_too_long = TooLong.TRUNCATE  # as sentence-transformers encodes
 
     @classmethod
     def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> CosineGate:
@@ -88,7 +89,7 @@ class EmbeddingsTask(Task):
     def parse(self, body: Any) -> EmbeddingRequest:
         body = decode_body(body)
         if isinstance(body, str):
-            return EmbeddingRequest((body,), Style.TEXT)
+            return EmbeddingRequest(self.texts_of(body, "the text"), Style.TEXT)
         if isinstance(body, list):
             return EmbeddingRequest(self.texts_of(body, "the body"), Style.INPUTS)
         if not isinstance(body, Mapping):
@@ -108,14 +109,14 @@ class EmbeddingsTask(Task):
             raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
         return EmbeddingRequest(self.texts_of(value, f'"{style.value}"'), style)
 
-    def preprocess(self, requests: Sequence[EmbeddingRequest]) -> dict[str, torch.Tensor]:
-        return self.tokenize([text for request in requests for text in request.texts], padding=True)
+    def preprocess(self, requests: Sequence[EmbeddingRequest]) -> Encoded:
+        return Encoded(self.tokenize([text for request in requests for text in request.texts], padding=True))
 
     def postprocess(
-        self, outputs: torch.Tensor, inputs: Mapping[str, torch.Tensor], requests: Sequence[EmbeddingRequest]
+        self, outputs: torch.Tensor, encoded: Encoded, requests: Sequence[EmbeddingRequest]
     ) -> list[dict[str, Any]]:
         vectors = outputs.float().cpu().tolist()
-        tokens = inputs["attention_mask"].sum(dim=1).tolist()
+        tokens = encoded.inputs["attention_mask"].sum(dim=1).tolist()
         answers, start = [], 0
         for request in requests:
             end = start + len(request.texts)

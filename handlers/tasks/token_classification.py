@@ -1,0 +1,140 @@
+"""Token classification (e.g. named entities), answered as transformers' ``token-classification`` pipeline
+answers.
+
+Accepted bodies (``aggregation_strategy`` and ``ignore_labels`` optional, as the pipeline's arguments):
+
+* raw text, or ``{"text": "...", "aggregation_strategy": "simple", "ignore_labels": ["O"]}`` -> ``[entity, ...]``
+* ``{"inputs": "..." | ["...", ...], ...}``                                             -> one such list per text
+
+An entity is ``{"entity", "score", "index", "word", "start", "end"}`` per token with aggregation ``none`` (the
+default, as in the pipeline), and ``{"entity_group", "score", "word", "start", "end"}`` with ``simple``,
+``first``, ``average`` or ``max``. ``start``/``end`` are character offsets into the text as sent.
+
+The optimized module returns per-token logits; turning them into entities is the pipeline's own postprocess,
+run on our logits, so every strategy groups and scores exactly as the pipeline does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from transformers.pipelines.token_classification import AggregationStrategy
+
+from handlers.config import DType
+from handlers.errors import InvalidInput, ModelLoadError
+from handlers.tasks.base import SCORE_GATE_KEYS, Encoded, ScoreGate, Task, decode_body, score_gate, softmax_scores
+
+OPTIONS = ("aggregation_strategy", "ignore_labels")
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    texts: tuple[str, ...]
+    aggregation: AggregationStrategy
+    ignore_labels: tuple[str, ...] | None  # None: the pipeline's default, ["O"]
+    many: bool  # "inputs": one list of entities per text
+
+
+class TokenLogits(torch.nn.Module):
+    """The token-classification model's logits in fp32 (what the pipeline's postprocess reads)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits.float()
+
+
+class TokenClassificationTask(Task):
+    name = "token-classification"
+    model_class = transformers.AutoModelForTokenClassification
+    gate_keys = SCORE_GATE_KEYS
+
+    @classmethod
+    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> ScoreGate:
+        """Per-token label probabilities, as the pipeline computes them from the logits."""
+        return score_gate(dtype, overrides, softmax_scores)
+
+    def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not self.tokenizer.is_fast:
+            raise ModelLoadError("token-classification needs a fast tokenizer (tokenizer.json) for character offsets")
+        # The pipeline object only lends its postprocess (entity grouping); it never runs the model.
+        self._pipeline = transformers.TokenClassificationPipeline(model=model, tokenizer=self.tokenizer)
+        return TokenLogits(model).eval()
+
+    def parse(self, body: Any) -> TokenRequest:
+        body = decode_body(body)
+        if isinstance(body, str):
+            return TokenRequest(self.texts_of(body, "the text"), AggregationStrategy.NONE, None, many=False)
+        if not isinstance(body, Mapping):
+            raise InvalidInput(f"expected text or a JSON object, got JSON {type(body).__name__}")
+        present = [key for key in ("text", "inputs") if key in body]
+        if len(present) != 1:
+            raise InvalidInput('send exactly one of "text" or "inputs" in the JSON object')
+        key = present[0]
+        unknown = sorted(str(name) for name in body if name not in (key, *OPTIONS))
+        if unknown:
+            raise InvalidInput(f"unknown key(s) {', '.join(unknown)}; allowed here: {', '.join((key, *OPTIONS))}")
+        value = body[key]
+        if key == "text" and not isinstance(value, str):
+            raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
+        return TokenRequest(self.texts_of(value, f'"{key}"'), _aggregation(body.get("aggregation_strategy")),
+                            _ignore_labels(body.get("ignore_labels")), many=key == "inputs")
+
+    def preprocess(self, requests: Sequence[TokenRequest]) -> Encoded:
+        texts = [text for request in requests for text in request.texts]
+        encoded = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
+                                 return_offsets_mapping=True, return_special_tokens_mask=True, return_tensors="pt")
+        inputs = {name: encoded[name] for name in self.tokenizer.model_input_names if name in encoded}
+        return Encoded(inputs, {"offsets": encoded["offset_mapping"], "special": encoded["special_tokens_mask"]})
+
+    def postprocess(self, outputs: torch.Tensor, encoded: Encoded, requests: Sequence[TokenRequest]) -> list[Any]:
+        logits = outputs.float().cpu()
+        lengths = encoded.inputs["attention_mask"].sum(dim=1).tolist()
+        answers, row = [], 0
+        for request in requests:
+            per_text = []
+            for text in request.texts:
+                real = slice(0, lengths[row])
+                chunk = {
+                    "logits": logits[row : row + 1, real],
+                    "input_ids": encoded.inputs["input_ids"][row : row + 1, real],
+                    "offset_mapping": encoded.extras["offsets"][row : row + 1, real],
+                    "special_tokens_mask": encoded.extras["special"][row : row + 1, real],
+                    "sentence": text,
+                }
+                ignore = None if request.ignore_labels is None else list(request.ignore_labels)
+                entities = self._pipeline.postprocess([chunk], aggregation_strategy=request.aggregation,
+                                                      ignore_labels=ignore)
+                per_text.append([_plain(entity) for entity in entities])
+                row += 1
+            answers.append(per_text if request.many else per_text[0])
+        return answers
+
+
+def _aggregation(value: Any) -> AggregationStrategy:
+    allowed = ", ".join(strategy.value for strategy in AggregationStrategy)
+    if value is None:
+        return AggregationStrategy.NONE
+    try:
+        return AggregationStrategy(value)
+    except ValueError:
+        raise InvalidInput(f'"aggregation_strategy" must be one of: {allowed}; got {value!r}') from None
+
+
+def _ignore_labels(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(label, str) for label in value):
+        raise InvalidInput(f'"ignore_labels" must be a list of label names, got {value!r}')
+    return tuple(value)
+
+
+def _plain(entity: Mapping[str, Any]) -> dict[str, Any]:
+    """The pipeline's entity with numpy numbers as JSON numbers."""
+    return {key: value.item() if hasattr(value, "item") else value for key, value in entity.items()}

