@@ -12,7 +12,7 @@ import torch
 from handlers.config import load_config
 from handlers.engine import Engine
 from handlers.errors import ConfigError, InvalidInput
-from handlers.tasks.classification import ScoreGate
+from handlers.tasks.base import ScoreGate
 
 TEXTS = [
     "I love this product, it works great!",

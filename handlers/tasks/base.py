@@ -174,6 +174,18 @@ def softmax_scores(logits: torch.Tensor) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+class ScoredTask(Task, ABC):
+    """A task judged by the score gate. Its module returns logits (softmaxed for the gate) unless
+    ``outputs_are_scores``."""
+
+    gate_keys = SCORE_GATE_KEYS
+    outputs_are_scores: ClassVar[bool] = False
+
+    @classmethod
+    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> ScoreGate:
+        return score_gate(dtype, overrides, None if cls.outputs_are_scores else softmax_scores)
+
+
 def gate_threshold(dtype: DType, overrides: Mapping[str, float], keys: tuple[str, str],
                    defaults: Mapping[DType, float], bounds: tuple[float, float], what: str) -> float:
     """A task's configured (or default) gate value: ``keys[0]`` for fp32 rungs, ``keys[1]`` for bf16/fp16

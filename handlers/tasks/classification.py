@@ -20,9 +20,8 @@ from typing import Any
 import torch
 import transformers
 
-from handlers.config import DType
 from handlers.errors import InvalidInput
-from handlers.tasks.base import SCORE_GATE_KEYS, Encoded, ScoreGate, Task, decode_body, score_gate
+from handlers.tasks.base import Encoded, ScoredTask, decode_body
 
 DEFAULT_TOP_K = 1
 
@@ -47,14 +46,10 @@ class ScoredClassifier(torch.nn.Module):
         return logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
 
 
-class TextClassificationTask(Task):
+class TextClassificationTask(ScoredTask):
     name = "text-classification"
     model_class = transformers.AutoModelForSequenceClassification
-    gate_keys = SCORE_GATE_KEYS
-
-    @classmethod
-    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> ScoreGate:
-        return score_gate(dtype, overrides)
+    outputs_are_scores = True  # the module applies the pipeline's softmax / sigmoid itself
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         config = model.config

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 import transformers
 
-from handlers.config import DType
 from handlers.errors import InvalidInput, ModelLoadError
-from handlers.tasks.base import SCORE_GATE_KEYS, Encoded, ScoreGate, Task, decode_body, score_gate, softmax_scores
+from handlers.tasks.base import Encoded, ScoredTask, decode_body
 
 PIPELINE_WINDOW = 384  # the pipeline's default max_seq_len
 PIPELINE_STRIDE = 128  # its default doc_stride (at most half the window)
@@ -72,15 +71,9 @@ class SpanLogits(torch.nn.Module):
         return output.start_logits.float(), output.end_logits.float()
 
 
-class QuestionAnsweringTask(Task):
+class QuestionAnsweringTask(ScoredTask):
     name = "question-answering"
     model_class = transformers.AutoModelForQuestionAnswering
-    gate_keys = SCORE_GATE_KEYS
-
-    @classmethod
-    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> ScoreGate:
-        """Start and end probabilities per token (a softmax over each row)."""
-        return score_gate(dtype, overrides, softmax_scores)
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         if not self.tokenizer.is_fast:

@@ -24,9 +24,8 @@ import torch
 import transformers
 from transformers.pipelines.token_classification import AggregationStrategy
 
-from handlers.config import DType
 from handlers.errors import InvalidInput, ModelLoadError
-from handlers.tasks.base import SCORE_GATE_KEYS, Encoded, ScoreGate, Task, decode_body, score_gate, softmax_scores
+from handlers.tasks.base import Encoded, ScoredTask, decode_body
 
 OPTIONS = ("aggregation_strategy", "ignore_labels")
 
@@ -50,15 +49,9 @@ class TokenLogits(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits.float()
 
 
-class TokenClassificationTask(Task):
+class TokenClassificationTask(ScoredTask):
     name = "token-classification"
     model_class = transformers.AutoModelForTokenClassification
-    gate_keys = SCORE_GATE_KEYS
-
-    @classmethod
-    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> ScoreGate:
-        """Per-token label probabilities, as the pipeline computes them from the logits."""
-        return score_gate(dtype, overrides, softmax_scores)
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         if not self.tokenizer.is_fast:
