@@ -308,7 +308,7 @@ def _parse_settings(value: Any, compile_spec: CompileSpec) -> HandlerSettings:
         too_long=section.choice("too_long", TooLong, None),
         dtype=section.choice("dtype", DType, defaults.dtype),
         ladder=_parse_ladder(section, defaults.ladder),
-        shapes=_parse_shapes(section, compile_spec),
+        shapes=_parse_shapes(section, compile_spec, task_class),
         quality_gate=_parse_gate(section, task_class),
         freezing=section.get("freezing", (bool,), defaults.freezing),
         threads=_positive(section, "threads", None) if section.get("threads", (str, int)) != "auto" else None,
@@ -317,6 +317,12 @@ def _parse_settings(value: Any, compile_spec: CompileSpec) -> HandlerSettings:
         max_inputs_per_request=_positive(section, "max_inputs_per_request", defaults.max_inputs_per_request),
     )
     section.finish()
+    if task_class.float32_only and settings.dtype not in (DType.AUTO, DType.FLOAT32):
+        raise ConfigError(f"{section.key('dtype')}: {task} serves float32 ({task_class.float32_only}); "
+                          f"use auto or float32, got {settings.dtype.value}")
+    if task_class.static_shapes_only and settings.shapes.dynamic:
+        raise ConfigError(f"{section.key('shapes')}: {task} compiles static shapes only "
+                          f"({task_class.static_shapes_only}); use policy: buckets and leave pt2.compile.dynamic unset")
     return settings
 
 
@@ -347,11 +353,12 @@ def _parse_ladder(section: _Section, default: tuple[RungName, ...]) -> tuple[Run
     return tuple(rungs)
 
 
-def _parse_shapes(section: _Section, compile_spec: CompileSpec) -> ShapePolicy:
-    """``shapes``; without a ``policy``, ``pt2.compile.dynamic: true`` means dynamic, anything else buckets."""
+def _parse_shapes(section: _Section, compile_spec: CompileSpec, task_class: Any) -> ShapePolicy:
+    """``shapes``; without a ``policy``, ``pt2.compile.dynamic: true`` means dynamic, anything else buckets.
+    Buckets not configured are the task's defaults."""
     shapes = _Section(section.get("shapes", (Mapping,), {}), section.key("shapes"))
     implied = PolicyKind.DYNAMIC if compile_spec.dynamic else PolicyKind.BUCKETS
-    defaults = ShapePolicy()
+    defaults = task_class.default_shapes
     policy = ShapePolicy(
         kind=shapes.choice("policy", PolicyKind, implied),
         batch_sizes=shapes.positive_ints("batch_sizes", defaults.batch_sizes),

@@ -23,6 +23,7 @@ from handlers.ladder import Attempt, GuardedForward, build_ladder, run_ladder, s
 from handlers.modeling import load_pretrained, resolve_max_length
 from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
 from handlers.tasks import Task, check_task
+from handlers.tasks.base import Emit
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class Engine:
         self.batches = 0
         self.max_batch_requests = 0
         self.dtype = hardware.resolve_dtype(config.settings.dtype, device)
+        float32_only = check_task(config.settings.task).float32_only
+        if float32_only and self.dtype.value is not DType.FLOAT32:
+            self.dtype = hardware.Choice(DType.FLOAT32, f"{config.settings.task} serves float32: {float32_only}")
         self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
@@ -88,12 +92,13 @@ class Engine:
         reference = self._task.build_module(model)
         dtype: DType = self.dtype.value
         serving = reference if dtype is DType.FLOAT32 else copy.deepcopy(reference).to(dtype.torch)
-        batches = [self._on_device(batch) for batch in self._task.warmup_batches(self.shapes.warmup_shapes())]
+        batches = [self._on_device(batch) if isinstance(batch, Mapping) else batch
+                   for batch in self._task.warmup_batches(self.shapes.warmup_shapes())]
         no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
         rungs = build_ladder(self.config, self.device, dtype, compile_unavailable=no_cache)
         self.notes = [note for rung in rungs for note in rung.notes(self.device)]
         result = run_ladder(reference, serving, dtype, rungs, batches, task_class.quality_gate(
-            dtype, settings.quality_gate))
+            dtype, settings.quality_gate), run=self._task.prove)
         self.attempts = result.attempts
         self.dtype = hardware.Choice(result.dtype, self.dtype.reason if result.dtype is dtype else
                                      f"{self.dtype.reason}; no rung kept the answers in {dtype.value}")
@@ -107,8 +112,9 @@ class Engine:
     def runtime_failures(self) -> int:
         return self._guard.failures if self._guard else 0
 
-    def predict(self, bodies: Sequence[Any]) -> list[Any]:
-        """One answer per body, in order: a JSON-able result, or the HandlerError for that body alone."""
+    def predict(self, bodies: Sequence[Any], emit: Emit | None = None) -> list[Any]:
+        """One answer per body, in order: a JSON-able result, or the HandlerError for that body alone.
+        ``emit`` receives streamed chunks keyed by body index, for the requests that asked to stream."""
         if self.state is not State.READY or self._task is None or self._guard is None:
             raise ModelNotReady(f"model {self.model_name} is {self.state.value}, not ready")
         answers: list[Any] = [None] * len(bodies)
@@ -121,8 +127,11 @@ class Engine:
         if parsed:
             requests = list(parsed.values())
             encoded = self._task.preprocess(requests)
+            body_of = list(parsed)  # request index -> body index
+            stream = None if emit is None else (
+                lambda chunks: emit({body_of[request]: chunk for request, chunk in chunks.items()}))
             try:
-                outputs = self._forward(encoded.inputs)
+                outputs = self._task.run(self, encoded, stream)
             except InferenceError:
                 raise
             except Exception as exc:
@@ -137,7 +146,7 @@ class Engine:
         self.max_batch_requests = max(self.max_batch_requests, len(bodies))
         return answers
 
-    def _forward(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+    def forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """Run the batch at the shape policy's shapes: chunks of at most the largest batch bucket, each padded
         up to its bucket, outputs sliced back to the real rows."""
         assert self._guard is not None and self._task is not None
@@ -147,6 +156,11 @@ class Engine:
             padded = pad_batch(chunk, self.shapes.serving_shape(rows, seq), self._task.pad_values)
             outputs.append(take_rows(self._guard(**self._on_device(padded)), rows))
         return concat_rows(outputs)
+
+    def forward_step(self, **inputs: Any) -> Any:
+        """One guarded call at exactly these shapes (a task's loop pads them to a warmed bucket itself)."""
+        assert self._guard is not None
+        return self._guard(**inputs)
 
     def _on_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: tensor.to(self.device) for name, tensor in batch.items()}

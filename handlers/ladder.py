@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 
 Forward = Callable[..., Any]
 Batch = Mapping[str, torch.Tensor]
+Run = Callable[[Forward, Any], Any]  # runs one warmup batch through a forward
+
+
+def call(forward: Forward, batch: Batch) -> Any:
+    return forward(**batch)
 
 
 class AttemptStatus(str, enum.Enum):
@@ -240,20 +245,23 @@ def run_ladder(
     serving: torch.nn.Module,
     dtype: DType,
     rungs: Sequence[Rung],
-    warmup_batches: Sequence[Batch],
+    warmup_batches: Sequence[Any],
     gate: QualityGate,
+    run: Run = call,
 ) -> LadderResult:
     """Try each rung on ``serving`` (the model in ``dtype``); return the first that runs and whose answers
-    pass ``gate`` against ``reference`` (the fp32 model run eagerly). If none does, serve the reference."""
+    pass ``gate`` against ``reference`` (the fp32 model run eagerly). If none does, serve the reference.
+    ``run(forward, batch)`` runs one warmup batch (by default ``forward(**batch)``; generation runs a decode
+    loop of steps instead)."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
-        references = [_detached(reference(**batch)) for batch in warmup_batches]
+        references = [_detached(run(reference, batch)) for batch in warmup_batches]
     attempts: list[Attempt] = []
     for rung in rungs:
         if isinstance(rung, EagerRung) and serving is reference:
             break  # fp32 eager produced the references: nothing to prove
-        attempt, forward = _try(rung, serving, dtype, warmup_batches, references, gate)
+        attempt, forward = _try(rung, serving, dtype, warmup_batches, references, gate, run)
         attempts.append(attempt)
         if forward is not None:
             return LadderResult(active=rung.name, forward=forward, dtype=dtype, attempts=attempts)
@@ -262,8 +270,8 @@ def run_ladder(
     return LadderResult(active=RungName.EAGER.value, forward=reference, dtype=DType.FLOAT32, attempts=attempts)
 
 
-def _try(rung: Rung, module: torch.nn.Module, dtype: DType, batches: Sequence[Batch], references: Sequence[Any],
-         gate: QualityGate) -> tuple[Attempt, Forward | None]:
+def _try(rung: Rung, module: torch.nn.Module, dtype: DType, batches: Sequence[Any], references: Sequence[Any],
+         gate: QualityGate, run: Run) -> tuple[Attempt, Forward | None]:
     started = time.perf_counter()
     reason = rung.unavailable_reason()
     if reason is not None:
@@ -272,7 +280,7 @@ def _try(rung: Rung, module: torch.nn.Module, dtype: DType, batches: Sequence[Ba
     try:
         forward = rung.apply(module)
         with rung.warmup_context(len(batches)):
-            quality = _prove(rung.name, forward, batches, references, gate)
+            quality = _prove(rung.name, forward, batches, references, gate, run)
     except Exception as exc:  # noqa: BLE001 -- any failure of an optimized rung means: next rung
         seconds = _since(started)
         logger.warning("rung %s (%s) failed after %.1fs; trying the next rung", rung.name, dtype.value, seconds,
@@ -287,13 +295,13 @@ def _try(rung: Rung, module: torch.nn.Module, dtype: DType, batches: Sequence[Ba
     return Attempt(rung.name, AttemptStatus.ACCEPTED, None, seconds, dtype.value, quality), forward
 
 
-def _prove(name: str, forward: Forward, batches: Sequence[Batch], references: Sequence[Any],
-           gate: QualityGate) -> Quality:
+def _prove(name: str, forward: Forward, batches: Sequence[Any], references: Sequence[Any],
+           gate: QualityGate, run: Run) -> Quality:
     worst = float("inf")
     for index, (batch, expected) in enumerate(zip(batches, references, strict=True)):
         started = time.perf_counter()
         with torch.inference_mode():
-            worst = min(worst, gate.measure(forward(**batch), expected))
+            worst = min(worst, gate.measure(run(forward, batch), expected))
         logger.info("rung %s warmup %d/%d (shape %s) ran in %.2fs", name, index + 1, len(batches), _shape(batch),
                     _since(started))
     quality = Quality(gate.metric, worst, gate.threshold)
@@ -416,5 +424,8 @@ class GuardedForward:
         }
 
 
-def _shape(batch: Batch) -> str:
-    return "x".join(str(d) for d in next(iter(batch.values())).shape)
+def _shape(batch: Any) -> str:
+    """The first tensor's shape, e.g. ``4x128``; a task's own batch type describes itself (``str``)."""
+    if isinstance(batch, Mapping):
+        return "x".join(str(d) for d in next(iter(batch.values())).shape)
+    return str(batch)

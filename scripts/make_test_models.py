@@ -9,6 +9,8 @@ their answers mean nothing, but they are the same on every machine, which is all
     minilm-topics        text-classification, multi-label (sigmoid per label): 4 topics
     minilm-ner           token-classification: O and B-/I- tags for PER, LOC, ORG
     minilm-qa            question-answering: start/end logits over the context
+    tiny-llama           text-generation: a 4-layer Llama (grouped-query attention, RoPE) and a byte-level
+                         BPE tokenizer trained on MiniLM's vocabulary words
 """
 
 from __future__ import annotations
@@ -52,6 +54,33 @@ def _labels(names: list[str], **config: object) -> dict[str, object]:
             "label2id": {name: index for index, name in enumerate(names)}, **config}
 
 
+def _tiny_llama(out: Path) -> None:
+    """A small Llama with a GPT-2-style byte-level BPE tokenizer (2,048 tokens, ``<|endoftext|>`` as BOS, EOS and
+    padding). Byte-level tokens can end inside a multi-byte character, which is what streaming must handle."""
+    import tokenizers
+    import torch
+    import transformers
+
+    words = [word.removeprefix("##") for word in (minilm_dir() / "vocab.txt").read_text().split("\n")
+             if word and not word.startswith("[")]
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator((" ".join(words[i:i + 12]) for i in range(0, len(words), 12)), trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>",
+                                                eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    torch.manual_seed(SEED)
+    config = transformers.LlamaConfig(
+        vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(out)
+    fast.save_pretrained(out)
+
+
 NER_LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG"]
 
 MODELS: dict[str, Callable[[Path], None]] = {
@@ -61,6 +90,7 @@ MODELS: dict[str, Callable[[Path], None]] = {
         ["sports", "science", "politics", "music"], problem_type="multi_label_classification")),
     "minilm-ner": _head("AutoModelForTokenClassification", "classifier", 20.0, **_labels(NER_LABELS)),
     "minilm-qa": _head("AutoModelForQuestionAnswering", "qa_outputs", 20.0),
+    "tiny-llama": _tiny_llama,
 }
 
 

@@ -23,3 +23,31 @@ def wrong_numbers(graph_module, example_inputs):
         return outputs + 1
 
     return run
+
+
+def negated(graph_module, example_inputs):
+    """Compiles to a graph whose floating outputs are negated: every argmax (a greedy token) changes."""
+
+    def run(*args):
+        outputs = graph_module(*args)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(-o if hasattr(o, "is_floating_point") and o.is_floating_point() else o
+                                 for o in outputs)
+        return -outputs
+
+    return run
+
+
+BROKEN = {"now": False}  # set by a test: the graphs compiled by breaks_on_demand raise from then on
+
+
+def breaks_on_demand(graph_module, example_inputs):
+    """Compiles to the graph itself (fast: no codegen), which raises while ``BROKEN["now"]`` is set: a compiled
+    rung that proved itself at load and fails on live traffic later."""
+
+    def run(*args):
+        if BROKEN["now"]:
+            raise RuntimeError("injected failure: the compiled graph broke after READY")
+        return graph_module(*args)
+
+    return run

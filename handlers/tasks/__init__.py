@@ -9,12 +9,14 @@ from handlers.errors import ConfigError
 from handlers.tasks.base import Task
 from handlers.tasks.classification import TextClassificationTask
 from handlers.tasks.embeddings import EmbeddingsTask
+from handlers.tasks.generation import TextGenerationTask
 from handlers.tasks.question_answering import QuestionAnsweringTask
 from handlers.tasks.token_classification import TokenClassificationTask
 
 TASKS: Mapping[str, type[Task]] = MappingProxyType({
     task.name: task for task in (
-        EmbeddingsTask, TextClassificationTask, TokenClassificationTask, QuestionAnsweringTask)
+        EmbeddingsTask, TextClassificationTask, TokenClassificationTask, QuestionAnsweringTask,
+        TextGenerationTask)
 })
 
 

@@ -10,13 +10,14 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from handlers.config import DType, TooLong
 from handlers.errors import ConfigError, InvalidInput
-from handlers.ladder import QualityError, QualityGate, tensors
+from handlers.ladder import Forward, QualityError, QualityGate, tensors
+from handlers.shapes import ShapePolicy
 
 WARMUP_WORDS = "the quick brown fox jumps over the lazy dog while a cat watches from the warm window".split()
 
@@ -30,6 +31,23 @@ class Encoded:
     extras: Any = None
 
 
+# Streamed chunks, one per request index (the request's position in the batch): JSON-able objects.
+Emit = Callable[[Mapping[int, Any]], None]
+
+
+class Served(Protocol):
+    """What a task runs a batch through once READY (the engine provides it)."""
+
+    shapes: ShapePolicy
+
+    def forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        """The whole batch through the accepted rung: in chunks of the largest batch bucket, each padded up to
+        its bucket, outputs sliced back to the real rows."""
+
+    def forward_step(self, **inputs: Any) -> Any:
+        """One guarded call of the accepted rung at exactly these shapes (a failure is retried eagerly)."""
+
+
 class Task(ABC):
     """One task. Subclasses set ``name``, ``model_class``, ``gate_keys`` and ``default_too_long``, and
     implement the hooks."""
@@ -38,6 +56,9 @@ class Task(ABC):
     model_class: ClassVar[Any]  # a transformers Auto* class
     gate_keys: ClassVar[tuple[str, ...]]  # the keys this task reads from pt2_handlers.quality_gate
     default_too_long: ClassVar[TooLong] = TooLong.REJECT  # a text past max_length, unless the YAML says
+    float32_only: ClassVar[str | None] = None  # why this task serves float32 only, if it does
+    static_shapes_only: ClassVar[str | None] = None  # why this task refuses the dynamic shape policy, if it does
+    default_shapes: ClassVar[ShapePolicy] = ShapePolicy()  # the buckets a YAML without pt2_handlers.shapes gets
 
     @classmethod
     @abstractmethod
@@ -68,6 +89,15 @@ class Task(ABC):
     @abstractmethod
     def postprocess(self, outputs: Any, encoded: Encoded, requests: Sequence[Any]) -> list[Any]:
         """Split the batch outputs into one JSON-serializable answer per request."""
+
+    def run(self, served: Served, encoded: Encoded, emit: Emit | None) -> Any:
+        """The batch's outputs: one forward of the whole batch. Tasks that loop (generation) override this,
+        and may stream chunks through ``emit`` as they go."""
+        return served.forward_batch(encoded.inputs)
+
+    def prove(self, forward: Forward, batch: Any) -> Any:
+        """One warmup batch through ``forward`` (a rung being proven, or fp32 eager for the reference)."""
+        return forward(**batch)
 
     def texts_of(self, value: Any, where: str) -> tuple[str, ...]:
         """A string or a non-empty list of at most ``max_inputs`` strings, as a tuple, each within the length

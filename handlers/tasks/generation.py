@@ -1,0 +1,441 @@
+"""Text generation, answered as transformers' ``text-generation`` pipeline answers, with the per-token decode step
+itself compiled.
+
+Accepted bodies:
+
+* raw text                      -> ``[{"generated_text": prompt + completion}]``
+* ``{"text": "...", <parameters>}`` -> the same, shaped by the parameters:
+
+  ``max_new_tokens``; ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed`` (sampling: on when
+  ``do_sample`` is true, or when a sampling parameter is given without it; ``temperature: 0`` is greedy);
+  ``stop`` (a string or a list: generation ends where one appears, and the text ends before it);
+  ``return_full_text`` (default true, as the pipeline); ``details`` (adds finish reason, token ids, seed);
+  ``stream`` (chunks as the tokens come: ``{"token_id", "text"}`` per token, then the answer itself).
+  Defaults are the model's ``generation_config.json``, as ``model.generate`` reads them.
+
+How it runs: a batch's prompts, left-padded, are prefilled by one eager forward that fills the KV cache; then
+each new token costs one *decode step* through the accepted rung. The KV cache is static (transformers'
+``StaticCache``, one per (batch, cache length) bucket of the shape policy), so every step of a bucket has the
+same shapes: compiled once per bucket at load, never after READY. Greedy tokens are the gate: a rung is
+accepted only if its greedy tokens equal fp32 eager's on the warmup prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+
+from handlers.config import DType, TooLong
+from handlers.errors import ConfigError, InvalidInput
+from handlers.ladder import Forward, QualityError, QualityGate, tensors
+from handlers.shapes import ShapePolicy
+from handlers.tasks.base import Emit, Encoded, Served, Task, decode_body
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 64  # when neither the request nor generation_config.json says
+WARMUP_NEW_TOKENS = 8  # per warmup prompt: enough steps to compile, replay and compare the decode step
+MAX_STOP_STRINGS = 8
+MAX_STOP_LENGTH = 200
+MAX_SEED = 2**63 - 1
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")
+PARAMETERS = ("max_new_tokens", "do_sample", *SAMPLING_KEYS, "seed", "stop", "return_full_text", "details",
+              "stream")
+NOT_FINAL = "\ufffd"  # what a token ending inside a multi-byte character decodes to, until the next one
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+    seed: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling | None = None  # None: greedy
+    stop: tuple[str, ...] = ()
+    return_full_text: bool = True
+    details: bool = False
+    stream: bool = False
+    ignore_eos: bool = False  # warmup only: every warmup prompt runs all its decode steps
+
+
+@dataclass(frozen=True)
+class GenerationBatch:
+    """Rows of prompts, left-padded, and the static cache length they decode in. Rows past ``real`` pad the
+    batch up to its bucket (they repeat the first request) and are never answered."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    requests: tuple[GenerationRequest, ...]
+    real: int
+    cache_length: int
+
+    def __str__(self) -> str:
+        return f"{len(self.requests)}x{self.cache_length}"
+
+
+class DecodeStep(torch.nn.Module):
+    """The causal LM over new tokens: writes their keys and values into the static cache at ``cache_position``
+    and returns the float logits at each row's last position. The prefill runs it eagerly over the prompts,
+    the decode loop compiled over one token per row."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, attention_mask: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cache_position: torch.Tensor, past_key_values: Any) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          cache_position=cache_position, past_key_values=past_key_values, use_cache=True,
+                          logits_to_keep=1).logits[:, -1].float()
+
+
+class Completion:
+    """One row's generated tokens and text, and what of it has been streamed."""
+
+    def __init__(self, request: GenerationRequest, tokenizer: Any, eos_ids: frozenset[int], watch: bool):
+        self.request = request
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent = ""  # the text streamed so far: always a prefix of the final text
+        self.finish_reason: str | None = None  # length | eos | stop
+        self._tokenizer = tokenizer
+        self._eos = frozenset() if request.ignore_eos else eos_ids
+        self._watch = watch  # decode every step (to stream or to look for stop strings), not only at the end
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token: int) -> str:
+        """Take the next token; return the text that became final with it (what a stream sends now)."""
+        self.token_ids.append(token)
+        if token in self._eos:
+            self.finish_reason = "eos"
+        elif len(self.token_ids) >= self.request.max_new_tokens:
+            self.finish_reason = "length"
+        if not (self._watch or self.done):
+            return ""
+        text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = min((index for index in (text.find(stop) for stop in self.request.stop) if index >= 0), default=None)
+        if cut is not None:
+            text, self.finish_reason = text[:cut], "stop"
+        self.text = text
+        ready = text if self.done else self._settled(text)
+        if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
+            if self.done and not text.startswith(self.sent):
+                logger.warning("streamed text is not a prefix of the final text; the stream and answer differ")
+            return ""
+        delta, self.sent = ready[len(self.sent):], ready
+        return delta
+
+    def _settled(self, text: str) -> str:
+        """``text`` without what the next tokens may still change: a character not yet complete, and an ending
+        that may be the start of a stop string (the answer leaves stop strings out)."""
+        end = len(text.rstrip(NOT_FINAL))
+        held = 0
+        for stop in self.request.stop:
+            for length in range(min(len(stop) - 1, end), held, -1):
+                if text[end - length:end] == stop[:length]:
+                    held = length
+                    break
+        return text[:end - held]
+
+
+class TokenGate(QualityGate):
+    """``greedy_token_agreement``: per warmup prompt, the share of greedy tokens generated before the first
+    one that differs from fp32 eager's; the smallest over all prompts. 1.0 means identical."""
+
+    metric = "greedy_token_agreement"
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def measure(self, actual: Any, expected: Any) -> float:
+        (got,), (want,) = list(tensors(actual)), list(tensors(expected))
+        if got.shape != want.shape:
+            raise QualityError(f"generated tokens have shape {tuple(got.shape)}, fp32 eager {tuple(want.shape)}")
+        same = (got.cpu() == want.cpu()).long().cumprod(dim=1).sum(dim=1)  # tokens before the first difference
+        return (same.float() / max(1, want.shape[1])).min().item()
+
+
+class TextGenerationTask(Task):
+    name = "text-generation"
+    model_class = transformers.AutoModelForCausalLM
+    gate_keys = ("min_token_agreement",)
+    float32_only = "its gate wants greedy tokens identical to fp32 eager's, which half types rarely keep"
+    static_shapes_only = "the decode step runs against a static KV cache per (batch, cache length) bucket"
+    # Cache lengths: a prompt and its new tokens fit the smallest bucket that holds them (max_length is added).
+    default_shapes = ShapePolicy(batch_sizes=(1, 4), seq_lengths=(256,))
+
+    @classmethod
+    def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> TokenGate:
+        threshold = overrides.get("min_token_agreement", 1.0)
+        if not 0.0 <= threshold <= 1.0:
+            raise ConfigError("pt2_handlers.quality_gate.min_token_agreement is a share of tokens in [0, 1], "
+                              f"got {threshold!r}")
+        return TokenGate(threshold)
+
+    def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        self._model_config = model.config
+        self._defaults = model.generation_config
+        eos = self._defaults.eos_token_id if self._defaults.eos_token_id is not None else self.tokenizer.eos_token_id
+        self._eos_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
+        pad = self.tokenizer.pad_token_id
+        self._pad_id = pad if pad is not None else next(iter(self._eos_ids), 0)
+        self._caches: dict[tuple[int, int], transformers.StaticCache] = {}
+        self._step = DecodeStep(model).eval()
+        return self._step
+
+    # -- requests ------------------------------------------------------------------------------------------
+
+    def parse(self, body: Any) -> GenerationRequest:
+        body = decode_body(body)
+        if isinstance(body, str):
+            text, params = body, {}
+        elif isinstance(body, Mapping):
+            if "text" not in body:
+                raise InvalidInput('send the prompt as "text" in the JSON object')
+            unknown = sorted(str(key) for key in body if key != "text" and key not in PARAMETERS)
+            if unknown:
+                raise InvalidInput(f"unknown key(s) {', '.join(unknown)}; allowed here: text, {', '.join(PARAMETERS)}")
+            text, params = body["text"], body
+            if not isinstance(text, str):
+                raise InvalidInput(f'"text" must be a string (one prompt per request), got {type(text).__name__}')
+        else:
+            raise InvalidInput(f"expected text or a JSON object, got JSON {type(body).__name__}")
+        if not text.strip():
+            raise InvalidInput("the prompt is empty")
+        prompt_ids = tuple(self.tokenizer(text)["input_ids"])
+        max_new, prompt_ids = self._lengths(prompt_ids, params.get("max_new_tokens"))
+        return GenerationRequest(
+            prompt=text, prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=self._sampling(params),
+            stop=_stop_strings(params.get("stop")),
+            return_full_text=_flag(params, "return_full_text", True), details=_flag(params, "details", False),
+            stream=_flag(params, "stream", False))
+
+    def _lengths(self, prompt_ids: tuple[int, ...], requested: Any) -> tuple[int, tuple[int, ...]]:
+        """``max_new_tokens`` and the prompt tokens read, within ``max_length`` tokens in all."""
+        if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
+            raise InvalidInput(f'"max_new_tokens" must be a positive integer, got {requested!r}')
+        room = self.max_length - len(prompt_ids)
+        if requested is None:
+            default = self._defaults.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+            if room >= 1:
+                return min(default, room), prompt_ids
+            requested = min(default, self.max_length - 1)
+        if requested >= self.max_length:
+            raise InvalidInput(f'"max_new_tokens" is {requested}; this model reads at most {self.max_length} tokens '
+                               "in all (prompt and new tokens)")
+        if requested <= room:
+            return requested, prompt_ids
+        if self.too_long is TooLong.TRUNCATE:  # keep the end of the prompt: it is what the model continues
+            return requested, prompt_ids[len(prompt_ids) - (self.max_length - requested):]
+        raise InvalidInput(
+            f"the prompt is {len(prompt_ids)} tokens long and max_new_tokens is {requested}; this model reads at most "
+            f"{self.max_length} tokens in all. Shorten the prompt, ask for fewer tokens, or serve the model with "
+            "pt2_handlers.too_long: truncate")
+
+    def _sampling(self, params: Mapping[str, Any]) -> Sampling | None:
+        do_sample = params.get("do_sample")
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise InvalidInput(f'"do_sample" must be true or false, got {do_sample!r}')
+        temperature = _number(params, "temperature", 0.0, math.inf, low_open=False)
+        top_k = params.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise InvalidInput(f'"top_k" must be a non-negative integer (0: off), got {top_k!r}')
+        top_p = _number(params, "top_p", 0.0, 1.0, low_open=True)
+        seed = params.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+            raise InvalidInput(f'"seed" must be an integer in [0, 2**63 - 1], got {seed!r}')
+        given = [key for key in SAMPLING_KEYS if params.get(key) is not None]
+        if do_sample is False and given:
+            raise InvalidInput(f"{', '.join(given)} apply only to sampling; drop them or set do_sample: true")
+        if temperature == 0.0:
+            if do_sample:
+                raise InvalidInput('"temperature": 0 means greedy decoding; with do_sample: true use a positive one')
+            return None
+        if not (do_sample if do_sample is not None else bool(given) or bool(self._defaults.do_sample)):
+            return None
+        defaults = self._defaults
+        return Sampling(
+            temperature=temperature if temperature is not None else float(defaults.temperature or 1.0),
+            top_k=top_k if top_k is not None else int(defaults.top_k or 0),
+            top_p=top_p if top_p is not None else float(defaults.top_p or 1.0),
+            seed=seed if seed is not None else secrets.randbits(63))
+
+    def preprocess(self, requests: Sequence[GenerationRequest]) -> Encoded:
+        return Encoded({}, tuple(requests))
+
+    # -- the decode loop -----------------------------------------------------------------------------------
+
+    def run(self, served: Served, encoded: Encoded, emit: Emit | None) -> list[Completion]:
+        requests: tuple[GenerationRequest, ...] = encoded.extras
+        completions: list[Completion] = []
+        size = served.shapes.max_batch
+        for start in range(0, len(requests), size):
+            chunk = requests[start:start + size]
+            rows, cache_length = served.shapes.serving_shape(
+                len(chunk), max(len(r.prompt_ids) + r.max_new_tokens for r in chunk))
+            batch = self._batch(chunk, rows, cache_length)
+            stream = None if emit is None else (
+                lambda pieces, start=start: emit({start + row: piece for row, piece in pieces.items()}))
+            completions.extend(self._generate(served.forward_step, batch, stream)[:len(chunk)])
+        return completions
+
+    def prove(self, forward: Forward, batch: GenerationBatch) -> torch.Tensor:
+        """Greedy tokens of every warmup row, as one (rows, WARMUP_NEW_TOKENS) tensor."""
+        completions = self._generate(forward, batch, None)
+        return torch.tensor([completion.token_ids for completion in completions])
+
+    def warmup_batches(self, shapes: Sequence[tuple[int, int]]) -> list[GenerationBatch]:
+        """Greedy prompts of different lengths in each (batch, cache length) bucket, run to the end."""
+        batches = []
+        for rows, cache_length in shapes:
+            requests = []
+            for row in range(rows):
+                ids = tuple(self.tokenizer(self._words(3 + 4 * row))["input_ids"])
+                ids = ids[:max(1, cache_length - WARMUP_NEW_TOKENS)]
+                requests.append(GenerationRequest(self.tokenizer.decode(ids), ids, WARMUP_NEW_TOKENS, ignore_eos=True))
+            batches.append(self._batch(requests, rows, cache_length))
+        return batches
+
+    def _batch(self, requests: Sequence[GenerationRequest], rows: int, cache_length: int) -> GenerationBatch:
+        padded = tuple(requests) + (requests[0],) * (rows - len(requests))
+        longest = max(len(request.prompt_ids) for request in padded)
+        input_ids = torch.full((rows, longest), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((rows, longest), dtype=torch.long)
+        for row, request in enumerate(padded):
+            if request.prompt_ids:
+                input_ids[row, -len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
+                attention_mask[row, -len(request.prompt_ids):] = 1
+        return GenerationBatch(input_ids, attention_mask, padded, len(requests), cache_length)
+
+    def _cache(self, rows: int, cache_length: int) -> transformers.StaticCache:
+        """One static cache per bucket, kept: the compiled step is specialized to its tensors."""
+        key = (rows, cache_length)
+        if key not in self._caches:
+            self._caches[key] = transformers.StaticCache(config=self._model_config, max_cache_len=cache_length)
+        cache = self._caches[key]
+        cache.reset()
+        return cache
+
+    def _generate(self, step: Forward, batch: GenerationBatch,
+                  emit: Emit | None) -> list[Completion]:
+        rows, prompt_length = batch.input_ids.shape
+        device = next(self._step.parameters()).device
+        completions = [Completion(request, self.tokenizer, self._eos_ids,
+                                  watch=row < batch.real and (request.stream or bool(request.stop)))
+                       for row, request in enumerate(batch.requests)]
+        generators = [torch.Generator().manual_seed(request.sampling.seed) if request.sampling else None
+                      for request in batch.requests]
+        with torch.inference_mode():
+            cache = self._cache(rows, batch.cache_length)
+            mask = torch.zeros((rows, batch.cache_length), dtype=torch.long, device=device)
+            mask[:, :prompt_length] = batch.attention_mask
+            positions = (batch.attention_mask.cumsum(dim=1) - 1).clamp(min=0).to(device)
+            # The prefill runs eagerly: its shape changes with every prompt, and it runs once per batch.
+            logits = self._step(attention_mask=mask, input_ids=batch.input_ids.to(device), position_ids=positions,
+                                cache_position=torch.arange(prompt_length, device=device), past_key_values=cache)
+            next_position = positions[:, -1:] + 1
+            for index in range(max(request.max_new_tokens for request in batch.requests[:batch.real])):
+                tokens = self._pick(logits, batch.requests, generators)
+                chunks = {}
+                for row, (completion, token) in enumerate(zip(completions, tokens.tolist(), strict=True)):
+                    if completion.done:
+                        continue
+                    text = completion.add(token)
+                    if emit is not None and row < batch.real and completion.request.stream:
+                        chunks[row] = {"token_id": token, "text": text}
+                if chunks:
+                    emit(chunks)
+                if all(completion.done for completion in completions[:batch.real]):
+                    break
+                position = prompt_length + index
+                mask[:, position] = 1
+                logits = step(attention_mask=mask, input_ids=tokens.unsqueeze(1).to(device),
+                              position_ids=next_position, cache_position=torch.tensor([position], device=device),
+                              past_key_values=cache)
+                next_position = next_position + 1
+        return completions
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, requests: Sequence[GenerationRequest],
+              generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """The next token per row: the argmax, or a draw from the row's own seeded generator (so a seeded
+        request gets the same tokens whatever else is in its batch)."""
+        logits = logits.float().cpu()
+        tokens = logits.argmax(dim=-1)
+        for row, (request, generator) in enumerate(zip(requests, generators, strict=True)):
+            if request.sampling is not None:
+                tokens[row] = _sample(logits[row], request.sampling, generator)
+        return tokens
+
+    def postprocess(self, outputs: list[Completion], encoded: Encoded,
+                    requests: Sequence[GenerationRequest]) -> list[Any]:
+        answers = []
+        for completion, request in zip(outputs, requests, strict=True):
+            answer: dict[str, Any] = {
+                "generated_text": (request.prompt if request.return_full_text else "") + completion.text}
+            if request.details:
+                answer["details"] = {
+                    "finish_reason": completion.finish_reason, "prompt_tokens": len(request.prompt_ids),
+                    "generated_tokens": len(completion.token_ids), "token_ids": completion.token_ids,
+                    "seed": request.sampling.seed if request.sampling else None}
+            answers.append([answer])
+        return answers
+
+
+def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """One draw after temperature, top-k and top-p (nucleus), in the order transformers applies them."""
+    scores = logits / sampling.temperature
+    if 0 < sampling.top_k < scores.numel():
+        scores = scores.masked_fill(scores < scores.topk(sampling.top_k).values[-1], -math.inf)
+    if sampling.top_p < 1.0:
+        ordered, order = scores.sort()
+        tail = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - sampling.top_p
+        tail[-1] = False  # the most likely token always stays
+        scores = scores.masked_fill(tail.scatter(0, order, tail), -math.inf)
+    return int(torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).item())
+
+
+def _number(params: Mapping[str, Any], key: str, low: float, high: float, low_open: bool) -> float | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or value != value or (value <= low if low_open else value < low) or value > high:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise InvalidInput(f'"{key}" must be a number in {bounds}, got {value!r}')
+    return float(value)
+
+
+def _flag(params: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidInput(f'"{key}" must be true or false, got {value!r}')
+    return value
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP_STRINGS
+            or not all(isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_LENGTH for stop in stops)):
+        raise InvalidInput(f'"stop" must be a string or a list of 1 to {MAX_STOP_STRINGS} non-empty strings of at '
+                           f"most {MAX_STOP_LENGTH} characters, got {value!r}")
+    return tuple(stops)
