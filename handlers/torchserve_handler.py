@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.metrics.dimension import Dimension
 from ts.utils.util import PredictionException
 
@@ -27,6 +28,7 @@ from handlers.errors import HandlerError, InvalidInput
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
+JSON_LINES = "application/jsonl"  # a streamed answer: one JSON object per line, the last one the answer itself
 TS_IPEX_SWITCH = "TS_IPEX_ENABLE"
 
 
@@ -84,16 +86,28 @@ class Pt2Handler(BaseHandler):
                 bodies[index] = _body(row)
             except InvalidInput as exc:
                 answers[index] = exc
+        rows = list(bodies)  # body index -> TorchServe's row index
+        streamed: set[int] = set()
+
+        def emit(chunks: dict[int, Any]) -> None:
+            """Send each chunk now, as a chunk of its request's HTTP response (gRPC: a stream message)."""
+            lines = {rows[index]: json.dumps(chunk) + "\n" for index, chunk in chunks.items()}
+            for row in lines:
+                context.set_response_content_type(row, JSON_LINES)
+            streamed.update(lines)
+            send_intermediate_predict_response(lines, {row: context.request_ids[row] for row in lines},
+                                               "Intermediate prediction", 200, context)
+
         try:
             if bodies:
-                answers.update(zip(bodies, self.engine.predict(list(bodies.values())), strict=True))
+                answers.update(zip(bodies, self.engine.predict(list(bodies.values()), emit), strict=True))
         except HandlerError as exc:
             logger.error("batch failed: %s", exc.message, exc_info=exc.__cause__ is not None)
             raise PredictionException(json.dumps(exc.to_json()), exc.status) from exc
         fallbacks = self.engine.runtime_failures - failures_before
         if fallbacks:
             _count(context, "Pt2RuntimeFallbacks", fallbacks, Rung=self.engine.active_rung or "none")
-        return [_respond(context, index, answers[index]) for index in range(len(data))]
+        return [_respond(context, index, answers[index], index in streamed) for index in range(len(data))]
 
     def describe_handle(self) -> dict[str, Any]:
         return self.engine.describe() if self.engine else {"state": "not initialized"}
@@ -117,8 +131,9 @@ def _body(row: dict[str, Any]) -> Any:
     )
 
 
-def _respond(context: Any, index: int, answer: Any) -> str:
-    context.set_response_content_type(index, JSON)
+def _respond(context: Any, index: int, answer: Any, streamed: bool = False) -> str:
+    """The answer (or error) as JSON; a streamed request's last line."""
+    context.set_response_content_type(index, JSON_LINES if streamed else JSON)
     if isinstance(answer, HandlerError):
         # The reason phrase is the standard one: the message (which may echo client input) stays in the body.
         context.set_response_status(answer.status, HTTPStatus(answer.status).phrase, index)

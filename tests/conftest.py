@@ -104,7 +104,8 @@ def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
     package.build("minilm-buckets", minilm_dir, REPO / "tests" / "configs" / "minilm-buckets.yaml", store)
     for name, config in (("minilm-sentiment", "minilm-text-classification.yaml"),
                          ("minilm-ner", "minilm-token-classification.yaml"),
-                         ("minilm-qa", "minilm-question-answering.yaml")):
+                         ("minilm-qa", "minilm-question-answering.yaml"),
+                         ("tiny-llama", "tiny-llama-generation.yaml")):
         package.build(name, task_model_dirs[name], REPO / "model_configs" / config, store)
     package.build("minilm-faulty", minilm_dir, REPO / "tests" / "configs" / "minilm-faulty-backend.yaml", store,
                   extra_files=(REPO / "tests" / "faulty_backends.py",))

@@ -307,15 +307,16 @@ def test_text_classification_compiled_equals_the_pipeline(server, task_model_dir
         assert server.management("DELETE", "/models/minilm-sentiment")[0] == 200
 
 
-def registered(server, model: str) -> dict:
-    """Register ``model``.mar with one worker; its optimization metadata once READY, with the compiled rung active."""
+def registered(server, model: str, metric: str = "score_agreement") -> dict:
+    """Register ``model``.mar with one worker; its optimization metadata once READY, with the compiled rung active
+    and its gate's ``metric`` passed."""
     status, body = server.management("POST", f"/models?url={model}.mar&initial_workers=1&synchronous=true",
                                      timeout=900)
     assert status == 200, body
     optimization = describe(server, model)["customizedMetadata"]["optimization"]
     assert optimization["active"] == "compile", optimization["attempts"]
     quality = optimization["attempts"][0]["quality"]
-    assert quality["metric"] == "score_agreement" and quality["value"] >= quality["threshold"]
+    assert quality["metric"] == metric and quality["value"] >= quality["threshold"]
     return optimization
 
 
@@ -374,6 +375,63 @@ def test_question_answering_compiled_equals_the_pipeline(server, task_model_dirs
         assert_nothing_compiled_after_ready(server, "minilm-qa")
     finally:
         assert server.management("DELETE", "/models/minilm-qa")[0] == 200
+
+
+def stream(server, body: dict, model: str) -> tuple[int, dict[str, str], list]:
+    """POST ``body`` and read the response line by line as it arrives: (status, headers, parsed lines)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.inference_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+    try:
+        connection.request("POST", f"/predictions/{model}", json.dumps(body).encode(), {
+            "Content-Type": "application/json", "Authorization": f"Bearer {server.key('inference')}"})
+        response = connection.getresponse()
+        lines = [json.loads(line) for line in iter(response.readline, b"") if line.strip()]
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, lines
+    finally:
+        connection.close()
+
+
+def test_text_generation_compiled_equals_generate_and_streams_over_chunked_http(server, task_model_dirs):
+    import transformers
+
+    from tests.test_generation import PROMPTS
+
+    registered(server, "tiny-llama", metric="greedy_token_agreement")
+    try:
+        model_dir = task_model_dirs["tiny-llama"]
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        bodies = [{"text": prompt, "max_new_tokens": max_new, "details": True} for prompt, max_new in PROMPTS]
+        bodies.append({"text": "fine", "temperature": "hot"})  # a bad neighbour in the same batches
+        answers = concurrently(server, bodies, model="tiny-llama")
+        for body, (status, answer) in zip(bodies[:-1], answers[:-1], strict=True):
+            assert status == 200, answer
+            inputs = tokenizer(body["text"], return_tensors="pt")
+            with torch.inference_mode():
+                ids = model.generate(**inputs, max_new_tokens=body["max_new_tokens"], do_sample=False)
+            assert answer[0]["details"]["token_ids"] == ids[0, inputs["input_ids"].shape[1]:].tolist()
+            assert answer[0]["generated_text"] == body["text"] + tokenizer.decode(
+                answer[0]["details"]["token_ids"], skip_special_tokens=True)
+        status, error = answers[-1]
+        assert status == 400 and '"temperature" must be a number in [0, inf]' in error["message"]
+
+        body = {"text": PROMPTS[2][0], "max_new_tokens": 24, "stream": True, "details": True}
+        status, headers, lines = stream(server, body, "tiny-llama")
+        assert status == 200 and headers.get("transfer-encoding") == "chunked", headers
+        *chunks, final = lines
+        assert len(chunks) == 24 and all(set(chunk) == {"token_id", "text"} for chunk in chunks)
+        status, plain = predict(server, {**body, "stream": False}, model="tiny-llama")
+        assert status == 200 and final == plain  # the last line is the answer itself
+        assert body["text"] + "".join(chunk["text"] for chunk in chunks) == plain[0]["generated_text"]
+        assert [chunk["token_id"] for chunk in chunks] == plain[0]["details"]["token_ids"]
+        status, error = predict(server, {"text": "word " * 300}, model="tiny-llama")
+        assert status == 400 and "this model reads at most 256 tokens in all" in error["message"]
+        assert_nothing_compiled_after_ready(server, "tiny-llama")
+    finally:
+        assert server.management("DELETE", "/models/tiny-llama")[0] == 200
 
 
 def test_unregister(server):
