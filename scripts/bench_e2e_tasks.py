@@ -61,7 +61,7 @@ def package_variants(task: str, args: argparse.Namespace, store: Path, work: Pat
     raw["pt2_handlers"]["ladder"] = ["eager"]
     eager = work / f"{task}-eager.yaml"
     eager.write_text(yaml.safe_dump(raw))
-    names = {"shipped": task, "eager": f"{task}-eager"}
+    names = {"shipped": f"bench-{task}", "eager": f"bench-{task}-eager"}  # not token-*: see package.check_name
     for variant, config in (("shipped", shipped), ("eager", eager)):
         package.build(names[variant], model_dir(task, args.models), config, store)
     return names
@@ -130,8 +130,7 @@ def bench_task(server: tsctl.Server, task: str, names: dict[str, str], args: arg
             "POST", f"/models?url={names[variant]}.mar&initial_workers=1&synchronous=true", timeout=args.timeout)
         if status != 200:
             raise SystemExit(f"{names[variant]} did not load: {body[:300]!r}")
-    status, raw = server.management("GET", f"/models/{names['shipped']}?customized=true")
-    optimization = json.loads(raw)[0]["customizedMetadata"]["optimization"]
+    optimization = describe(server, names["shipped"])["optimization"]
     log(f"{task}: shipped READY on rung {optimization['active']} ({optimization['dtype']})")
     rows = []
     try:
@@ -150,6 +149,17 @@ def bench_task(server: tsctl.Server, task: str, names: dict[str, str], args: arg
         for variant in VARIANTS:
             server.management("DELETE", f"/models/{names[variant]}")
     return rows
+
+
+def describe(server: tsctl.Server, name: str, attempts: int = 5) -> dict[str, Any]:
+    """Our describe metadata. Retried: TorchServe 0.12 now and then answers 400 ("Failed to update key file")."""
+    for attempt in range(attempts):
+        status, raw = server.management("GET", f"/models/{name}?customized=true")
+        if status == 200:
+            return json.loads(raw)[0]["customizedMetadata"]
+        log(f"describe {name}: HTTP {status} {raw[:120]!r}; retrying ({attempt + 1}/{attempts})")
+        time.sleep(1)
+    raise SystemExit(f"describe {name} kept failing")
 
 
 def run_cell(server: tsctl.Server, names: dict[str, str], bodies: list[Any], concurrency: int,
@@ -197,6 +207,20 @@ def stream_row(server: tsctl.Server, task: str, names: dict[str, str], optimizat
     return row
 
 
+def wait_for_management(server: tsctl.Server, timeout: float) -> None:
+    """The key file exists before the management API listens: poll it until it answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if server.management("GET", "/models")[0] == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("the management API did not answer")
+        time.sleep(0.5)
+
+
 def main() -> None:
     args = parse_args()
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-e2e-tasks-inductor-"))
@@ -211,6 +235,7 @@ def main() -> None:
                          extra_env={"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve())})
     rows = []
     try:
+        wait_for_management(server, args.timeout)
         for task in args.tasks:
             rows += bench_task(server, task, names[task], args)
     finally:

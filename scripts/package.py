@@ -65,8 +65,18 @@ def archiver_command(name: str, version: str, staging: Path, config: Path, expor
     ]
 
 
+def check_name(name: str) -> None:
+    """TorchServe 0.12 treats any URL containing "/token" as its token API: a model named token-* could be
+    neither called (/predictions/token-...) nor managed (/models/token-...) with the usual keys."""
+    if name.lower().startswith("token"):
+        raise SystemExit(f"model name {name!r}: TorchServe routes every URL containing '/token' to its token API, "
+                         "so this model could not be called or described; choose a name not starting with 'token' "
+                         "(e.g. ner)")
+
+
 def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",
           extra_files: tuple[Path, ...] = ()) -> Path:
+    check_name(name)
     started = time.perf_counter()
     export_path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-stage-") as tmp:

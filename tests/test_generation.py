@@ -110,7 +110,7 @@ def test_the_decode_step_is_what_compiles(compiled):
     assert attempt["quality"] == {"metric": "greedy_token_agreement", "value": 1.0, "threshold": 1.0}
     assert optimization["dtype"] == "float32" and optimization["shapes"]["seq_lengths"] == [256]
     assert optimization["shapes"]["batch_sizes"] == [1, 4]
-    assert compiled.describe()["inputs"]["max_length"] == 256
+    assert compiled.describe()["inputs"] == {"max_length": 256, "too_long": "reject", "default_max_new_tokens": 64}
 
 
 def test_sampling_with_a_seed_is_reproducible_in_any_batch(compiled):

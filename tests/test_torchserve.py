@@ -79,6 +79,14 @@ def assert_close_embeddings(got, want, min_cosine=0.999):
     assert cosine.min().item() >= min_cosine, cosine
 
 
+def test_package_refuses_a_name_that_torchserve_routes_to_its_token_api(tmp_path, minilm_dir):
+    import package
+
+    with pytest.raises(SystemExit, match="routes every URL containing '/token' to its token API"):
+        package.build("token-classification", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml", tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
 def test_archive_is_self_contained(model_store):
     shared = os.environ.get(SHARED_ARCHIVE_ENV)
     if shared:
@@ -404,6 +412,7 @@ def test_text_generation_compiled_equals_generate_and_streams_over_chunked_http(
         model_dir = task_model_dirs["tiny-llama"]
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
         bodies = [{"text": prompt, "max_new_tokens": max_new, "details": True} for prompt, max_new in PROMPTS]
         bodies.append({"text": "fine", "temperature": "hot"})  # a bad neighbour in the same batches
         answers = concurrently(server, bodies, model="tiny-llama")
@@ -413,8 +422,8 @@ def test_text_generation_compiled_equals_generate_and_streams_over_chunked_http(
             with torch.inference_mode():
                 ids = model.generate(**inputs, max_new_tokens=body["max_new_tokens"], do_sample=False)
             assert answer[0]["details"]["token_ids"] == ids[0, inputs["input_ids"].shape[1]:].tolist()
-            assert answer[0]["generated_text"] == body["text"] + tokenizer.decode(
-                answer[0]["details"]["token_ids"], skip_special_tokens=True)
+            (want,) = pipe(body["text"], max_new_tokens=body["max_new_tokens"], do_sample=False)
+            assert answer[0]["generated_text"] == want["generated_text"]
         status, error = answers[-1]
         assert status == 400 and '"temperature" must be a number in [0, inf]' in error["message"]
 
@@ -427,6 +436,9 @@ def test_text_generation_compiled_equals_generate_and_streams_over_chunked_http(
         assert status == 200 and final == plain  # the last line is the answer itself
         assert body["text"] + "".join(chunk["text"] for chunk in chunks) == plain[0]["generated_text"]
         assert [chunk["token_id"] for chunk in chunks] == plain[0]["details"]["token_ids"]
+        seeded = {"text": "Once upon a time", "max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 5}
+        first, again = concurrently(server, [seeded, seeded], model="tiny-llama")
+        assert first[0] == again[0] == 200 and first[1] == again[1]  # a seed reproduces, batched or not
         status, error = predict(server, {"text": "word " * 300}, model="tiny-llama")
         assert status == 400 and "this model reads at most 256 tokens in all" in error["message"]
         assert_nothing_compiled_after_ready(server, "tiny-llama")

@@ -99,6 +99,10 @@ class Task(ABC):
         """One warmup batch through ``forward`` (a rung being proven, or fp32 eager for the reference)."""
         return forward(**batch)
 
+    def describe_inputs(self) -> dict[str, Any]:
+        """The input limits a client must respect, for describe."""
+        return {"max_length": self.max_length, "too_long": self.too_long.value, "max_per_request": self.max_inputs}
+
     def texts_of(self, value: Any, where: str) -> tuple[str, ...]:
         """A string or a non-empty list of at most ``max_inputs`` strings, as a tuple, each within the length
         policy; InvalidInput naming ``where`` otherwise."""

@@ -200,6 +200,12 @@ class TextGenerationTask(Task):
         self._step = DecodeStep(model).eval()
         return self._step
 
+    def describe_inputs(self) -> dict[str, Any]:
+        """One prompt per request; ``max_length`` counts the prompt and its new tokens together."""
+        defaults = getattr(self, "_defaults", None)  # set by build_module; describe may come before
+        return {"max_length": self.max_length, "too_long": self.too_long.value,
+                "default_max_new_tokens": (defaults and defaults.max_new_tokens) or DEFAULT_MAX_NEW_TOKENS}
+
     # -- requests ------------------------------------------------------------------------------------------
 
     def parse(self, body: Any) -> GenerationRequest:
