@@ -104,6 +104,14 @@ def test_a_batch_with_different_lengths_and_max_new_tokens_equals_each_request_a
     assert [len(answer["details"]["token_ids"]) for answer in alone] == [max_new for _, max_new in PROMPTS]
 
 
+def test_requests_that_do_not_fit_one_cache_together_are_decoded_apart(eager):
+    long_prompt = {"text": "word " * 100, "max_new_tokens": 20, "details": True}  # 201 prompt tokens
+    long_answer = {"text": "Hi", "max_new_tokens": 200, "details": True}  # 201 + 200 > 256: not in one batch
+    together = eager.predict([long_prompt, long_answer, {"text": "Hi", "max_new_tokens": 3}])
+    assert [answer[0] for answer in together[:2]] == [one(eager, long_prompt), one(eager, long_answer)]
+    assert len(together[1][0]["details"]["token_ids"]) == 200 or together[1][0]["details"]["finish_reason"] == "eos"
+
+
 def test_the_decode_step_is_what_compiles(compiled):
     optimization = compiled.describe()["optimization"]
     (attempt,) = optimization["attempts"]

@@ -291,16 +291,26 @@ class TextGenerationTask(Task):
     def run(self, served: Served, encoded: Encoded, emit: Emit | None) -> list[Completion]:
         requests: tuple[GenerationRequest, ...] = encoded.extras
         completions: list[Completion] = []
-        size = served.shapes.max_batch
-        for start in range(0, len(requests), size):
-            chunk = requests[start:start + size]
-            rows, cache_length = served.shapes.serving_shape(
-                len(chunk), max(len(r.prompt_ids) + r.max_new_tokens for r in chunk))
+        start = 0
+        for chunk in self._chunks(requests, served.shapes.max_batch):
+            rows, cache_length = served.shapes.serving_shape(len(chunk), _cache_needed(chunk))
             batch = self._batch(chunk, rows, cache_length)
             stream = None if emit is None else (
                 lambda pieces, start=start: emit({start + row: piece for row, piece in pieces.items()}))
             completions.extend(self._generate(served.forward_step, batch, stream)[:len(chunk)])
+            start += len(chunk)
         return completions
+
+    def _chunks(self, requests: Sequence[GenerationRequest], size: int) -> list[list[GenerationRequest]]:
+        """Consecutive requests decoded together: at most ``size``, and only while the longest prompt (all are
+        left-padded to it) plus the most new tokens still fit ``max_length``."""
+        chunks: list[list[GenerationRequest]] = []
+        for request in requests:
+            if chunks and len(chunks[-1]) < size and _cache_needed([*chunks[-1], request]) <= self.max_length:
+                chunks[-1].append(request)
+            else:
+                chunks.append([request])
+        return chunks
 
     def prove(self, forward: Forward, batch: GenerationBatch) -> torch.Tensor:
         """Greedy tokens of every warmup row, as one (rows, WARMUP_NEW_TOKENS) tensor."""
@@ -403,6 +413,11 @@ class TextGenerationTask(Task):
                     "seed": request.sampling.seed if request.sampling else None}
             answers.append([answer])
         return answers
+
+
+def _cache_needed(requests: Sequence[GenerationRequest]) -> int:
+    """KV cache positions a batch needs: its longest prompt, left-padded, then its most new tokens."""
+    return max(len(r.prompt_ids) for r in requests) + max(r.max_new_tokens for r in requests)
 
 
 def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
