@@ -71,6 +71,11 @@ def test_every_body_shape_gets_its_own_answer_shape(engine, tiny_bert_dir):
     ("body", "message"),
     [
         (None, "request body is empty"),
+        (b"", "the text is empty; send some text"),
+        (" \n\t ", "the text is empty; send some text"),
+        ({"text": ""}, '"text" is empty; send some text'),
+        ({"inputs": ["fine", "  "]}, '"inputs"[1] is empty; send some text'),
+        ({"input": [""]}, '"input"[0] is empty'),
         (b"\xff\xfe", "not valid UTF-8"),
         (b'{"text": ', "looks like JSON but does not parse"),
         ({"texts": "x"}, 'send exactly one of "text", "inputs" or "input"'),

@@ -135,6 +135,9 @@ def test_bad_input_gets_a_400_naming_the_problem_and_the_worker_stays_up(server,
         (b'{"text": ', "application/json", "does not parse"),
         (b'{"inputs": [1, 2]}', "application/json", '"inputs"[0] must be a string'),
         (b"hello", "application/x-www-form-urlencoded", "form-encoded bodies are not supported"),
+        (b"", "text/plain", "the text is empty"),
+        (b"  \n ", "text/plain", "the text is empty"),
+        (b'{"text": ""}', "application/json", '"text" is empty'),
     ]
     for body, content_type, message in cases:
         status, answer = predict(server, body, content_type)

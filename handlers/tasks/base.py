@@ -114,6 +114,10 @@ class Task(ABC):
         bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
         if bad is not None:
             raise InvalidInput(f"{where}[{bad}] must be a string, got {type(texts[bad]).__name__}")
+        # A client that sends nothing almost always has a bug: answering it (e.g. the embedding of "") hides it.
+        blank = next((i for i, text in enumerate(texts) if not text.strip()), None)
+        if blank is not None:
+            raise InvalidInput(f"{where if isinstance(value, str) else f'{where}[{blank}]'} is empty; send some text")
         if self.too_long is TooLong.REJECT:
             self.check_lengths(texts, where if isinstance(value, str) else f"{where}[{{}}]")
         return tuple(texts)
