@@ -12,10 +12,12 @@ Two sections matter here; every other top-level key (minWorkers, batchSize, ...)
 
 from __future__ import annotations
 
+import difflib
 import enum
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -193,8 +195,9 @@ class _Section:
         try:
             return enum_cls(value)
         except ValueError:
-            allowed = ", ".join(e.value for e in enum_cls)
-            raise ConfigError(f"{self.key(key)}: {value!r} is not allowed; use one of: {allowed}") from None
+            allowed = [e.value for e in enum_cls]
+            raise ConfigError(f"{self.key(key)}: {value!r} is not allowed{did_you_mean(value, allowed)}; "
+                              f"use one of: {', '.join(allowed)}") from None
 
     def key(self, key: str) -> str:
         return f"{self._path}.{key}"
@@ -202,9 +205,29 @@ class _Section:
     def finish(self) -> None:
         unknown = sorted(str(k) for k in self._raw if k not in self._seen)
         if unknown:
+            hints = "".join(did_you_mean(key, self._seen) for key in unknown)
             raise ConfigError(
-                f"{self._path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(self._seen))}"
+                f"{self._path}: unknown key(s) {', '.join(unknown)}{hints}; allowed: {', '.join(sorted(self._seen))}"
             )
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """`` (did you mean X?)`` for the closest of ``choices`` to a misspelt ``word``, else ``""``."""
+    close = difflib.get_close_matches(str(word), [str(choice) for choice in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def load_config_file(path: Path) -> HandlerConfig:
+    """``load_config`` of a model YAML file; a ConfigError also for a file that is missing or not YAML."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return load_config(raw)
 
 
 def load_config(raw: Mapping[str, Any] | None) -> HandlerConfig:
@@ -266,12 +289,14 @@ def _validated(spec: CompileSpec, path: str) -> CompileSpec:
         raise ConfigError(f"{path}: mode and options apply only to backend 'inductor', not {spec.backend!r}")
     modes = list(torch._inductor.list_mode_options())
     if spec.mode is not None and spec.mode not in modes:
-        raise ConfigError(f"{path}.mode: {spec.mode!r} is not a torch.compile mode; use one of: {', '.join(modes)}")
+        raise ConfigError(f"{path}.mode: {spec.mode!r} is not a torch.compile mode{did_you_mean(spec.mode, modes)}; "
+                          f"use one of: {', '.join(modes)}")
     if spec.options is not None:
         known = set(torch._inductor.list_options())
         unknown = sorted(str(k) for k in spec.options if k not in known)
         if unknown:
-            raise ConfigError(f"{path}.options: unknown inductor option(s) {', '.join(unknown)}")
+            hints = "".join(did_you_mean(key, known) for key in unknown)
+            raise ConfigError(f"{path}.options: unknown inductor option(s) {', '.join(unknown)}{hints}")
     return spec
 
 
@@ -343,7 +368,8 @@ def _parse_ladder(section: _Section, default: tuple[RungName, ...]) -> tuple[Run
         try:
             rungs.append(RungName(name))
         except ValueError:
-            raise ConfigError(f"{section.key('ladder')}: unknown rung {name!r}; use some of: {allowed}") from None
+            hint = did_you_mean(str(name), [r.value for r in RungName])
+            raise ConfigError(f"{section.key('ladder')}: unknown rung {name!r}{hint}; use some of: {allowed}") from None
     if len(set(rungs)) != len(rungs):
         raise ConfigError(f"{section.key('ladder')}: each rung may appear once, got {names!r}")
     if RungName.EAGER in rungs[:-1]:

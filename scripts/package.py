@@ -14,6 +14,8 @@ Prints the exact torch-model-archiver command it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import shlex
 import shutil
 import subprocess
@@ -74,9 +76,23 @@ def check_name(name: str) -> None:
                          "(e.g. ner)")
 
 
+def check_config(config: Path, extra_files: tuple[Path, ...] = ()) -> None:
+    """Refuse a model YAML whose pt2 / pt2_handlers sections the worker would reject (the same code as
+    ``python -m handlers check``): otherwise the mistake shows only in the worker log, after registration."""
+    sys.path.insert(0, str(REPO))
+    from handlers.__main__ import check
+
+    with contextlib.redirect_stdout(io.StringIO()) as report:
+        invalid = check([config], sorted({extra.resolve().parent for extra in extra_files}))
+    print(f"[package] {report.getvalue().strip()}", flush=True)
+    if invalid:
+        raise SystemExit(f"refusing to build an archive: {report.getvalue().strip()}")
+
+
 def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",
           extra_files: tuple[Path, ...] = ()) -> Path:
     check_name(name)
+    check_config(config, extra_files)
     started = time.perf_counter()
     export_path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-stage-") as tmp:

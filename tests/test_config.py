@@ -114,7 +114,7 @@ def test_the_input_mapping_is_never_mutated():
         ({"pt2_handlers": {"task": "translation"}},
          r"pt2_handlers.task: unknown task 'translation'; use one of: embeddings"),
         ({"pt2_handlers": {"dtype": "float8"}},
-         r"pt2_handlers.dtype: 'float8' is not allowed; use one of: auto, float32"),
+         r"pt2_handlers.dtype: 'float8' is not allowed \(did you mean float32\?\); use one of: auto, float32"),
         ({"pt2_handlers": {"ladder": ["compile", "tensorrt"]}}, r"unknown rung 'tensorrt'; use some of: compile"),
         ({"pt2_handlers": {"ladder": ["eager", "compile"]}}, r"eager is the last resort and must come last"),
         ({"pt2_handlers": {"ladder": ["compile", "compile"]}}, r"each rung may appear once"),
@@ -147,6 +147,28 @@ def test_the_input_mapping_is_never_mutated():
 def test_invalid_configs_name_the_key_and_what_is_allowed(raw, message):
     with pytest.raises(ConfigError, match=message):
         load_config(raw)
+
+
+@pytest.mark.parametrize(("raw", "hint"), [
+    ({"pt2": {"compile": {"enable": True, "mdoe": "default"}}}, "unknown key(s) mdoe (did you mean mode?)"),
+    ({"pt2": {"compile": {"enable": True, "mode": "reduce_overhead"}}}, "(did you mean reduce-overhead?)"),
+    ({"pt2": {"compile": {"enable": True, "options": {"cpp_wraper": True}}}}, "(did you mean cpp_wrapper?)"),
+    ({"pt2_handlers": {"task": "text-generaton"}}, "unknown task 'text-generaton' (did you mean text-generation?)"),
+    ({"pt2_handlers": {"dtype": "bfloat"}}, "'bfloat' is not allowed (did you mean bfloat16?)"),
+    ({"pt2_handlers": {"ladder": ["compil"]}}, "unknown rung 'compil' (did you mean compile?)"),
+    ({"pt2_handlers": {"shapes": {"batch_size": [1]}}}, "unknown key(s) batch_size (did you mean batch_sizes?)"),
+    ({"pt2_handlers": {"max_runtime_failure": 3}}, "(did you mean max_runtime_failures?)"),
+])
+def test_a_misspelt_name_gets_the_nearest_valid_one(raw, hint):
+    with pytest.raises(ConfigError) as error:
+        load_config(raw)
+    assert hint in str(error.value)
+
+
+def test_a_key_far_from_every_valid_one_gets_no_guess():
+    with pytest.raises(ConfigError) as error:
+        load_config({"pt2": {"compile": {"enable": True, "colour": 1}}})
+    assert "did you mean" not in str(error.value)
 
 
 def test_settings_section_with_every_key():

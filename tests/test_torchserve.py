@@ -87,6 +87,22 @@ def test_package_refuses_a_name_that_torchserve_routes_to_its_token_api(tmp_path
     assert not list(tmp_path.iterdir())
 
 
+def test_package_refuses_a_model_yaml_the_worker_would_reject(tmp_path, minilm_dir):
+    import package
+
+    config = tmp_path / "typo.yaml"
+    config.write_text("pt2:\n  compile:\n    enable: true\n    mdoe: reduce-overhead\n")
+    with pytest.raises(SystemExit, match=r"unknown key\(s\) mdoe \(did you mean mode\?\)"):
+        package.build("typo", minilm_dir, config, tmp_path / "store")
+    assert not (tmp_path / "store" / "typo.mar").exists()
+    checked = subprocess.run([sys.executable, "-m", "handlers", "check", str(config),
+                              str(REPO / "model_configs" / "tiny-llama-generation.yaml")],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 1, checked.stderr
+    assert "typo.yaml: INVALID: pt2.compile: unknown key(s) mdoe (did you mean mode?)" in checked.stdout
+    assert "tiny-llama-generation.yaml: ok: task text-generation" in checked.stdout
+
+
 def test_archive_is_self_contained(model_store):
     shared = os.environ.get(SHARED_ARCHIVE_ENV)
     if shared:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from handlers.config import did_you_mean
 from handlers.errors import ConfigError
 from handlers.tasks.base import Task
 from handlers.tasks.classification import TextClassificationTask
@@ -25,7 +26,8 @@ def check_task(name: str, path: str = "task") -> type[Task]:
     try:
         return TASKS[name]
     except KeyError:
-        raise ConfigError(f"{path}: unknown task {name!r}; use one of: {', '.join(sorted(TASKS))}") from None
+        raise ConfigError(f"{path}: unknown task {name!r}{did_you_mean(name, TASKS)}; "
+                          f"use one of: {', '.join(sorted(TASKS))}") from None
 
 
 __all__ = ["TASKS", "Task", "check_task"]
