@@ -18,7 +18,7 @@ import torch
 from handlers import compile_cache, hardware
 from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
-from handlers.errors import InferenceError, InvalidInput, ModelNotReady
+from handlers.errors import InferenceError, InvalidInput, ModelLoadError, ModelNotReady
 from handlers.ladder import Attempt, GuardedForward, build_ladder, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
 from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
@@ -82,7 +82,10 @@ class Engine:
             self.cache = compile_cache.prepare(settings.compile_cache)
         torch.set_num_threads(self.threads.value)
         task_class = check_task(settings.task)
-        model_dir = self.model_root / settings.model_dir
+        model_dir = (self.model_root / settings.model_dir).resolve()
+        if not model_dir.is_relative_to(self.model_root.resolve()):  # "../x" or a link out of the archive
+            raise ModelLoadError(f"pt2_handlers.model_dir {settings.model_dir!r} leads outside the model archive "
+                                 f"({self.model_root}); name a directory inside it, e.g. model")
         # fp32 first: it is the reference every rung is judged against, and the eager fallback.
         model, tokenizer = load_pretrained(model_dir, task_class.model_class, torch.float32, self.device)
         max_length = resolve_max_length(model_dir, model, tokenizer, settings.max_length)

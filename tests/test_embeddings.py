@@ -135,6 +135,19 @@ def test_a_failed_load_is_reported_and_refuses_requests(tmp_path, tiny_bert_dir)
         engine.predict(["hello"])
 
 
+@pytest.mark.parametrize("model_dir", ["../outside", "model/../../outside", "/etc"])
+def test_a_model_dir_leading_out_of_the_archive_is_refused(tmp_path, tiny_bert_dir, model_dir):
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    shutil.copytree(tiny_bert_dir, tmp_path / "outside")  # a real model, so only the path can be the reason
+    raw = json.loads(json.dumps(EAGER_ONLY))
+    raw.setdefault("pt2_handlers", {})["model_dir"] = model_dir
+    engine = Engine(load_config(raw), archive, torch.device("cpu"), "escape")
+    with pytest.raises(ModelLoadError, match=f"pt2_handlers.model_dir '{model_dir}' leads outside the model archive"):
+        engine.load()
+    assert engine.state is State.FAILED
+
+
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         make_engine(tmp_path).load()
