@@ -170,11 +170,20 @@ class Client:
         self.conn.close()
 
 
-def send_all(server: tsctl.Server, model: str, texts: Sequence[str], concurrency: int) -> dict[str, Any]:
-    """POST every text to ``model`` from ``concurrency`` clients; latencies (ms), errors and wall seconds."""
+EMBEDDING = b'"embedding"'  # in every good answer of both models
+
+
+def text_bodies(texts: Sequence[str]) -> list[dict[str, str]]:
+    return [{"text": text} for text in texts]
+
+
+def send_all(server: tsctl.Server, model: str, bodies: Sequence[Any], concurrency: int,
+             answer_has: bytes = b"") -> dict[str, Any]:
+    """POST every JSON body to ``model`` from ``concurrency`` clients; latencies (ms), errors and wall seconds.
+    A 200 counts only if its payload contains ``answer_has``."""
     jobs: queue.Queue[bytes] = queue.Queue()
-    for text in texts:
-        jobs.put(json.dumps({"text": text}).encode())
+    for body in bodies:
+        jobs.put(json.dumps(body).encode())
     latencies: list[float] = []
     errors: list[str] = []
     key, path = server.key("inference"), f"/predictions/{model}"
@@ -193,7 +202,7 @@ def send_all(server: tsctl.Server, model: str, texts: Sequence[str], concurrency
                 except OSError as exc:  # http.client errors after the retry, timeouts, refused
                     errors.append(f"{type(exc).__name__}: {exc}")
                     continue
-                if status == 200 and b'"embedding"' in payload:
+                if status == 200 and answer_has in payload:
                     latencies.append((time.perf_counter() - started) * 1000)
                 else:
                     errors.append(f"HTTP {status}: {payload[:200].decode(errors='replace')}")
@@ -214,7 +223,7 @@ def run_cell(server: tsctl.Server, texts: list[str], concurrency: int, rounds: i
     for index in range(rounds):
         chunk = texts[index * per_round:(index + 1) * per_round]
         for model in (MODELS if index % 2 == 0 else MODELS[::-1]):
-            result = send_all(server, model, chunk, concurrency)
+            result = send_all(server, model, text_bodies(chunk), concurrency, EMBEDDING)
             for key in ("latencies", "errors"):
                 merged[model][key] += result[key]
             merged[model]["seconds"] += result["seconds"]
@@ -281,7 +290,7 @@ def bench(server: tsctl.Server, args: argparse.Namespace, tokenizer: Any) -> tup
     sample = [text for name in args.workloads for text in make_texts(words, name, 4, rng)]
     warm = [text for name in args.workloads for text in make_texts(words, name, args.warmup, rng)]
     for model in MODELS:
-        result = send_all(server, model, warm, min(4, max(args.concurrency)))
+        result = send_all(server, model, text_bodies(warm), min(4, max(args.concurrency)), EMBEDDING)
         log(f"warm-up {model}: {len(result['latencies'])} ok, {len(result['errors'])} errors")
     agreement = check_agreement(server, sample, tokenizer)
     rows = []

@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ import tsctl
 import yaml
 from bench_common import (DEFAULT_OUT, REPO, log, markdown_table, run_header, summarize, write_csv, write_json,
                           write_plot)
-from bench_e2e import Client, shifted_config
+from bench_e2e import Client, send_all, shifted_config
 from bench_tasks import TASK_MODELS, check_agreement, model_dir, workloads
 
 VARIANTS = ("shipped", "eager")
@@ -65,37 +63,6 @@ def package_variants(task: str, args: argparse.Namespace, store: Path, work: Pat
     for variant, config in (("shipped", shipped), ("eager", eager)):
         package.build(names[variant], model_dir(task, args.models), config, store)
     return names
-
-
-def send_all(server: tsctl.Server, model: str, bodies: list[Any], concurrency: int) -> dict[str, Any]:
-    jobs: queue.Queue[bytes] = queue.Queue()
-    for body in bodies:
-        jobs.put(json.dumps(body).encode())
-    latencies: list[float] = []
-    errors: list[str] = []
-
-    def client_loop() -> None:
-        client = Client(server.inference_url, server.key("inference"), timeout=300)
-        try:
-            while True:
-                try:
-                    body = jobs.get_nowait()
-                except queue.Empty:
-                    return
-                started = time.perf_counter()
-                status, payload = client.post(f"/predictions/{model}", body)
-                if status == 200:
-                    latencies.append((time.perf_counter() - started) * 1000)
-                else:
-                    errors.append(f"HTTP {status}: {payload[:200].decode(errors='replace')}")
-        finally:
-            client.close()
-
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for future in [pool.submit(client_loop) for _ in range(concurrency)]:
-            future.result()
-    return {"latencies": latencies, "errors": errors, "seconds": time.perf_counter() - started}
 
 
 def answers(server: tsctl.Server, model: str, bodies: list[Any]) -> list[Any]:
