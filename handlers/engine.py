@@ -18,7 +18,7 @@ import torch
 from handlers import compile_cache, hardware
 from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
-from handlers.errors import InferenceError, InvalidInput, ModelLoadError, ModelNotReady
+from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady
 from handlers.ladder import Attempt, GuardedForward, build_ladder, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
 from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
@@ -125,11 +125,13 @@ class Engine:
         for index, body in enumerate(bodies):
             try:
                 parsed[index] = self._task.parse(body)
-            except InvalidInput as exc:
+            except HandlerError as exc:
                 answers[index] = exc
+            except Exception as exc:  # a bug reading one request must not fail its neighbours
+                answers[index] = self._request_failed(exc, "parse")
+        encoded = self._preprocess(parsed, answers)
         if parsed:
             requests = list(parsed.values())
-            encoded = self._task.preprocess(requests)
             body_of = list(parsed)  # request index -> body index
             stream = None if emit is None else (
                 lambda chunks: emit({body_of[request]: chunk for request, chunk in chunks.items()}))
@@ -148,6 +150,28 @@ class Engine:
         self.batches += 1
         self.max_batch_requests = max(self.max_batch_requests, len(bodies))
         return answers
+
+    def _preprocess(self, parsed: dict[int, Any], answers: list[Any]) -> Any:
+        """The parsed requests collated into one batch. If collating fails, each request is tried alone: the ones
+        that fail get their own error (and leave ``parsed``), the rest are collated without them."""
+        if not parsed:
+            return None
+        try:
+            return self._task.preprocess(list(parsed.values()))
+        except Exception:  # noqa: BLE001 - isolated below, request by request
+            logger.warning("preprocess failed on a batch of %d requests; retrying each alone", len(parsed))
+        for index, request in list(parsed.items()):
+            try:
+                self._task.preprocess([request])
+            except Exception as exc:  # noqa: BLE001
+                answers[index] = exc if isinstance(exc, HandlerError) else self._request_failed(exc, "preprocess")
+                del parsed[index]
+        return self._task.preprocess(list(parsed.values())) if parsed else None
+
+    @staticmethod
+    def _request_failed(exc: Exception, stage: str) -> InferenceError:
+        logger.error("%s failed on one request: %s", stage, summarize(exc), exc_info=exc)
+        return InferenceError(f"the server failed to {stage} this request ({type(exc).__name__}); it is logged")
 
     def forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """Run the batch at the shape policy's shapes: chunks of at most the largest batch bucket, each padded

@@ -44,6 +44,7 @@ class ModelNotReady(HandlerError):
 
 
 class InferenceError(HandlerError):
-    """Both the optimized and the eager forward failed on a batch (500)."""
+    """The server failed, not the client: both the optimized and the eager forward failed on a batch, or reading
+    one request hit a bug (500). The message names no internals; the log has them."""
 
     status = 500

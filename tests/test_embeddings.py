@@ -11,7 +11,7 @@ import torch
 
 from handlers.config import load_config
 from handlers.engine import Engine, State
-from handlers.errors import InvalidInput, ModelLoadError, ModelNotReady
+from handlers.errors import InferenceError, InvalidInput, ModelLoadError, ModelNotReady
 
 EAGER_ONLY = {"pt2_handlers": {"ladder": ["eager"], "dtype": "float32",
                                "shapes": {"batch_sizes": [1, 2], "seq_lengths": [8]}, "max_inputs_per_request": 4}}
@@ -87,6 +87,10 @@ def test_every_body_shape_gets_its_own_answer_shape(engine, tiny_bert_dir):
         ({"inputs": ["x"], "model": "m"}, "unknown key(s) model; allowed here: inputs"),
         ({"input": "x", "encoding_format": "base64"}, "encoding_format 'base64' is not supported"),
         (42, "expected text or a JSON object, got JSON int"),
+        ({"inputs": ["ok", "a\ud800b"]}, "holds a lone surrogate ('\\ud800' at character 1)"),
+        (b'{"text": "\\udfff"}', "holds a lone surrogate"),
+        (b"[" * 100_000, "nested more than 32 levels deep"),  # too deep for json.loads itself
+        (json.loads("[" * 40 + "]" * 40), "nested more than 32 levels deep"),
     ],
 )
 def test_bad_bodies_fail_alone_with_a_clear_400(engine, body, message):
@@ -96,6 +100,24 @@ def test_bad_bodies_fail_alone_with_a_clear_400(engine, body, message):
     assert isinstance(error, InvalidInput) and error.status == 400
     assert message in error.message
     assert error.to_json() == {"code": 400, "type": "InvalidInput", "message": error.message}
+
+
+def test_a_bug_reading_one_request_fails_that_request_alone(engine, monkeypatch):
+    """Whatever breaks in parse or preprocess for one body (here: a tokenizer that chokes on one word) is a
+    500 for that body; its neighbours in the batch are answered."""
+    task = engine._task
+    tokenize = task.tokenize
+
+    def choke(texts, **kwargs):
+        if any("choke" in text for text in texts):
+            raise TypeError("the tokenizer choked")
+        return tokenize(texts, **kwargs)
+
+    monkeypatch.setattr(task, "tokenize", choke)
+    good, bad, also_good = engine.predict(["fine", "please choke", {"inputs": ["also", "fine"]}])
+    assert len(good["embedding"]) == len(also_good["embeddings"][1]) == 32
+    assert isinstance(bad, InferenceError) and bad.status == 500
+    assert bad.message == "the server failed to preprocess this request (TypeError); it is logged"
 
 
 def test_a_batch_of_only_bad_bodies_runs_no_forward(engine):

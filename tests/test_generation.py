@@ -138,6 +138,16 @@ def test_sampling_with_a_seed_is_reproducible_in_any_batch(compiled):
                )["details"]["token_ids"] == greedy["details"]["token_ids"]  # temperature 0 is greedy
 
 
+def test_extreme_temperatures_sample_without_failing_the_batch(eager):
+    """A temperature so small that float32 logits overflow used to make every row's softmax NaN; its limit is
+    greedy decoding, and a huge one samples (nearly) uniformly."""
+    greedy = one(eager, {"text": "Once upon a time", "max_new_tokens": 8, "details": True})
+    tiny, huge = eager.predict([{"text": "Once upon a time", "max_new_tokens": 8, "temperature": t, "seed": 3,
+                                 "details": True} for t in (1e-320, 1e300)])
+    assert tiny[0]["details"]["token_ids"] == greedy["details"]["token_ids"]
+    assert len(huge[0]["details"]["token_ids"]) == 8
+
+
 def test_a_stop_string_ends_the_text_before_it(compiled):
     full = one(compiled, {"text": "The weather in Paris is", "max_new_tokens": 20, "return_full_text": False})
     text = full["generated_text"]

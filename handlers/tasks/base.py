@@ -156,8 +156,12 @@ class Task(ABC):
         return " ".join(WARMUP_WORDS[i % len(WARMUP_WORDS)] for i in range(count))
 
 
+MAX_JSON_DEPTH = 32  # every task's body is at most 4 levels deep; deeper is a client bug, or an attack
+
+
 def decode_body(body: Any) -> Any:
-    """TorchServe hands over parsed JSON, text or raw bytes; turn bytes into text or JSON."""
+    """TorchServe hands over parsed JSON, text or raw bytes; turn bytes into text or JSON, and refuse what no
+    task can read: invalid UTF-8, JSON nested past ``MAX_JSON_DEPTH``, strings holding lone surrogates."""
     if isinstance(body, (bytes, bytearray)):
         try:
             body = bytes(body).decode("utf-8")
@@ -165,12 +169,35 @@ def decode_body(body: Any) -> Any:
             raise InvalidInput(f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
         if body.lstrip().startswith(("{", "[")):
             try:
-                return json.loads(body)
+                body = json.loads(body)
             except json.JSONDecodeError as exc:
                 raise InvalidInput(f"request body looks like JSON but does not parse: {exc}") from None
+            except RecursionError:  # TorchServe's own json.loads gave up too, and handed over the bytes
+                raise InvalidInput(f"request body is JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
     if body is None:
         raise InvalidInput("request body is empty")
+    _check_json(body)
     return body
+
+
+def _check_json(body: Any) -> None:
+    """InvalidInput for nesting past MAX_JSON_DEPTH, or a string no tokenizer can take: JSON may spell a lone
+    UTF-16 surrogate ("\\ud800"), which Python keeps and the Rust tokenizers reject, for the whole batch."""
+    pending = [(body, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidInput(f"request body is JSON nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidInput(f"a string in the request holds a lone surrogate ({value[exc.start]!a} at "
+                                   f"character {exc.start}); send valid Unicode") from None
+        elif isinstance(value, Mapping):
+            pending.extend((item, depth + 1) for pair in value.items() for item in pair)
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1) for item in value)
 
 
 class ScoreGate(QualityGate):

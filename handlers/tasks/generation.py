@@ -422,7 +422,9 @@ def _cache_needed(requests: Sequence[GenerationRequest]) -> int:
 
 def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """One draw after temperature, top-k and top-p (nucleus), in the order transformers applies them."""
-    scores = logits / sampling.temperature
+    scores = logits.double() / sampling.temperature  # float64: a tiny temperature stays finite far longer
+    if not scores.isfinite().all():  # a temperature so small that sampling is greedy (its limit)
+        scores = torch.full_like(scores, -math.inf).index_fill_(0, logits.argmax(), 0.0)
     if 0 < sampling.top_k < scores.numel():
         scores = scores.masked_fill(scores < scores.topk(sampling.top_k).values[-1], -math.inf)
     if sampling.top_p < 1.0:
