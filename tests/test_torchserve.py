@@ -35,6 +35,10 @@ TEXTS = [f"sentence number {i} about {topic}" for i, topic in
          enumerate(["serving", "compilers", "cats", "the weather", "trains", "music", "databases", "tea"])]
 
 
+def shifted_config_path(server) -> Path:
+    return server.run_dir.parent / "config.properties"
+
+
 def shifted_config(tmp: Path) -> Path:
     text = (REPO / "model_configs" / "config.properties").read_text()
     text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + PORT_SHIFT}", text)
@@ -144,25 +148,6 @@ def test_embeddings_equal_sentence_transformers(server, reference):
     _, openai = predict(server, {"input": TEXTS[:3], "model": "minilm"})
     assert [d["index"] for d in openai["data"]] == [0, 1, 2] and openai["model"] == "minilm"
     assert_close_embeddings([d["embedding"] for d in openai["data"]], want)
-
-
-def test_bad_input_gets_a_400_naming_the_problem_and_the_worker_stays_up(server, reference):
-    pid = describe(server)["workers"][0]["pid"]
-    cases = [
-        (b'{"text": ', "application/json", "does not parse"),
-        (b'{"inputs": [1, 2]}', "application/json", '"inputs"[0] must be a string'),
-        (b"hello", "application/x-www-form-urlencoded", "form-encoded bodies are not supported"),
-        (b"", "text/plain", "the text is empty"),
-        (b"  \n ", "text/plain", "the text is empty"),
-        (b'{"text": ""}', "application/json", '"text" is empty'),
-    ]
-    for body, content_type, message in cases:
-        status, answer = predict(server, body, content_type)
-        assert status == 400, answer
-        assert answer["code"] == 400 and message in answer["message"]
-    _, ok = predict(server, {"text": TEXTS[4]})
-    assert_close_embeddings(ok["embedding"], reference([TEXTS[4]])[0])
-    assert describe(server)["workers"][0]["pid"] == pid
 
 
 def concurrently(server, bodies: list, model: str = "minilm") -> list[tuple[int, object]]:
@@ -312,35 +297,33 @@ def test_text_classification_compiled_equals_the_pipeline(server, task_model_dir
     from tests.test_classification import TEXTS as CLASSIFY
 
     optimization = registered(server, "minilm-sentiment")
-    try:
-        tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
-        pipe = transformers.pipeline("text-classification", model=str(task_model_dirs["minilm-sentiment"]),
-                                     device="cpu")
-        bodies = [*({"text": text, "top_k": None} for text in CLASSIFY), {"inputs": CLASSIFY, "top_k": None},
-                  {"text": "hi", "top_k": "two"}]  # a bad neighbour in the same batches
-        answers = concurrently(server, bodies, model="minilm-sentiment")
-        for text, (status, answer) in zip(CLASSIFY, answers, strict=False):
-            assert status == 200, answer
-            assert_same_classification(answer, pipe(text, top_k=None), tolerance)
-        status, many = answers[len(CLASSIFY)]
-        assert status == 200 and len(many) == len(CLASSIFY)
-        for got, want in zip(many, pipe(CLASSIFY, top_k=None), strict=True):
-            assert_same_classification(got, want, tolerance)
-        status, error = answers[-1]
-        assert status == 400 and '"top_k" must be a positive integer or null' in error["message"]
-        status, error = predict(server, {"text": "too long " * 600}, model="minilm-sentiment")
-        assert status == 400 and '"text" is 1202 tokens long; this model reads at most 512' in error["message"]
-        assert_nothing_compiled_after_ready(server, "minilm-sentiment")
-    finally:
-        assert server.management("DELETE", "/models/minilm-sentiment")[0] == 200
+    tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
+    pipe = transformers.pipeline("text-classification", model=str(task_model_dirs["minilm-sentiment"]),
+                                 device="cpu")
+    bodies = [*({"text": text, "top_k": None} for text in CLASSIFY), {"inputs": CLASSIFY, "top_k": None},
+              {"text": "hi", "top_k": "two"}]  # a bad neighbour in the same batches
+    answers = concurrently(server, bodies, model="minilm-sentiment")
+    for text, (status, answer) in zip(CLASSIFY, answers, strict=False):
+        assert status == 200, answer
+        assert_same_classification(answer, pipe(text, top_k=None), tolerance)
+    status, many = answers[len(CLASSIFY)]
+    assert status == 200 and len(many) == len(CLASSIFY)
+    for got, want in zip(many, pipe(CLASSIFY, top_k=None), strict=True):
+        assert_same_classification(got, want, tolerance)
+    status, error = answers[-1]
+    assert status == 400 and '"top_k" must be a positive integer or null' in error["message"]
+    status, error = predict(server, {"text": "too long " * 600}, model="minilm-sentiment")
+    assert status == 400 and '"text" is 1202 tokens long; this model reads at most 512' in error["message"]
+    assert_nothing_compiled_after_ready(server, "minilm-sentiment")
 
 
 def registered(server, model: str, metric: str = "score_agreement") -> dict:
-    """Register ``model``.mar with one worker; its optimization metadata once READY, with the compiled rung active
-    and its gate's ``metric`` passed."""
-    status, body = server.management("POST", f"/models?url={model}.mar&initial_workers=1&synchronous=true",
-                                     timeout=900)
-    assert status == 200, body
+    """``model``.mar registered with one worker (once per server: later tests reuse it); its optimization
+    metadata, with the compiled rung active and its gate's ``metric`` passed."""
+    if server.management("GET", f"/models/{model}")[0] != 200:
+        status, body = server.management("POST", f"/models?url={model}.mar&initial_workers=1&synchronous=true",
+                                         timeout=900)
+        assert status == 200, body
     optimization = describe(server, model)["customizedMetadata"]["optimization"]
     assert optimization["active"] == "compile", optimization["attempts"]
     quality = optimization["attempts"][0]["quality"]
@@ -360,24 +343,21 @@ def test_token_classification_compiled_equals_the_pipeline(server, task_model_di
     from tests.test_token_classification import assert_same_entities
 
     optimization = registered(server, "minilm-ner")
-    try:
-        tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
-        pipe = transformers.pipeline("token-classification", model=str(task_model_dirs["minilm-ner"]), device="cpu")
-        bodies = [{"text": text, "aggregation_strategy": strategy}
-                  for text in NER_TEXTS for strategy in ("none", "simple")]
-        bodies.append({"text": "fine", "aggregation_strategy": "loud"})  # a bad neighbour in the same batches
-        answers = concurrently(server, bodies, model="minilm-ner")
-        for body, (status, answer) in zip(bodies[:-1], answers[:-1], strict=True):
-            assert status == 200, answer
-            want = pipe(body["text"], aggregation_strategy=body["aggregation_strategy"])
-            assert_same_entities(answer, want, tolerance)
-        status, error = answers[-1]
-        assert status == 400 and '"aggregation_strategy" must be one of' in error["message"]
-        status, error = predict(server, "Paris " * 600, content_type="text/plain", model="minilm-ner")
-        assert status == 400 and "is 602 tokens long; this model reads at most 512" in error["message"]
-        assert_nothing_compiled_after_ready(server, "minilm-ner")
-    finally:
-        assert server.management("DELETE", "/models/minilm-ner")[0] == 200
+    tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
+    pipe = transformers.pipeline("token-classification", model=str(task_model_dirs["minilm-ner"]), device="cpu")
+    bodies = [{"text": text, "aggregation_strategy": strategy}
+              for text in NER_TEXTS for strategy in ("none", "simple")]
+    bodies.append({"text": "fine", "aggregation_strategy": "loud"})  # a bad neighbour in the same batches
+    answers = concurrently(server, bodies, model="minilm-ner")
+    for body, (status, answer) in zip(bodies[:-1], answers[:-1], strict=True):
+        assert status == 200, answer
+        want = pipe(body["text"], aggregation_strategy=body["aggregation_strategy"])
+        assert_same_entities(answer, want, tolerance)
+    status, error = answers[-1]
+    assert status == 400 and '"aggregation_strategy" must be one of' in error["message"]
+    status, error = predict(server, "Paris " * 600, content_type="text/plain", model="minilm-ner")
+    assert status == 400 and "is 602 tokens long; this model reads at most 512" in error["message"]
+    assert_nothing_compiled_after_ready(server, "minilm-ner")
 
 
 @pytest.mark.qa_reference
@@ -386,23 +366,20 @@ def test_question_answering_compiled_equals_the_pipeline(server, task_model_dirs
     from tests.test_question_answering import CALLS, assert_same_answer
 
     optimization = registered(server, "minilm-qa")
-    try:
-        tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
-        want = pipeline_reference.answers(task_model_dirs["minilm-qa"], CALLS)
-        bodies = [*CALLS, {"question": "Who?"}]  # a bad neighbour in the same batches
-        answers = concurrently(server, bodies, model="minilm-qa")
-        for (status, answer), expected in zip(answers[:-1], want, strict=True):
-            assert status == 200, answer
-            assert_same_answer(answer, expected, tolerance)
-        status, error = answers[-1]
-        assert status == 400 and 'the request has no "context"' in error["message"]
-        status, answers = predict(server, {"inputs": [{k: c[k] for k in ("question", "context")} for c in CALLS]},
-                                  model="minilm-qa")
-        assert status == 200 and len(answers) == len(CALLS)
-        assert_same_answer(answers[0], want[0], tolerance)
-        assert_nothing_compiled_after_ready(server, "minilm-qa")
-    finally:
-        assert server.management("DELETE", "/models/minilm-qa")[0] == 200
+    tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
+    want = pipeline_reference.answers(task_model_dirs["minilm-qa"], CALLS)
+    bodies = [*CALLS, {"question": "Who?"}]  # a bad neighbour in the same batches
+    answers = concurrently(server, bodies, model="minilm-qa")
+    for (status, answer), expected in zip(answers[:-1], want, strict=True):
+        assert status == 200, answer
+        assert_same_answer(answer, expected, tolerance)
+    status, error = answers[-1]
+    assert status == 400 and 'the request has no "context"' in error["message"]
+    status, answers = predict(server, {"inputs": [{k: c[k] for k in ("question", "context")} for c in CALLS]},
+                              model="minilm-qa")
+    assert status == 200 and len(answers) == len(CALLS)
+    assert_same_answer(answers[0], want[0], tolerance)
+    assert_nothing_compiled_after_ready(server, "minilm-qa")
 
 
 def stream(server, body: dict, model: str) -> tuple[int, dict[str, str], list]:
@@ -428,42 +405,60 @@ def test_text_generation_compiled_equals_generate_and_streams_over_chunked_http(
     from tests.test_generation import PROMPTS
 
     registered(server, "tiny-llama", metric="greedy_token_agreement")
-    try:
-        model_dir = task_model_dirs["tiny-llama"]
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-        pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
-        bodies = [{"text": prompt, "max_new_tokens": max_new, "details": True} for prompt, max_new in PROMPTS]
-        bodies.append({"text": "fine", "temperature": "hot"})  # a bad neighbour in the same batches
-        answers = concurrently(server, bodies, model="tiny-llama")
-        for body, (status, answer) in zip(bodies[:-1], answers[:-1], strict=True):
-            assert status == 200, answer
-            inputs = tokenizer(body["text"], return_tensors="pt")
-            with torch.inference_mode():
-                ids = model.generate(**inputs, max_new_tokens=body["max_new_tokens"], do_sample=False)
-            assert answer[0]["details"]["token_ids"] == ids[0, inputs["input_ids"].shape[1]:].tolist()
-            (want,) = pipe(body["text"], max_new_tokens=body["max_new_tokens"], do_sample=False)
-            assert answer[0]["generated_text"] == want["generated_text"]
-        status, error = answers[-1]
-        assert status == 400 and '"temperature" must be a number in [0, inf]' in error["message"]
+    model_dir = task_model_dirs["tiny-llama"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    bodies = [{"text": prompt, "max_new_tokens": max_new, "details": True} for prompt, max_new in PROMPTS]
+    bodies.append({"text": "fine", "temperature": "hot"})  # a bad neighbour in the same batches
+    answers = concurrently(server, bodies, model="tiny-llama")
+    for body, (status, answer) in zip(bodies[:-1], answers[:-1], strict=True):
+        assert status == 200, answer
+        inputs = tokenizer(body["text"], return_tensors="pt")
+        with torch.inference_mode():
+            ids = model.generate(**inputs, max_new_tokens=body["max_new_tokens"], do_sample=False)
+        assert answer[0]["details"]["token_ids"] == ids[0, inputs["input_ids"].shape[1]:].tolist()
+        (want,) = pipe(body["text"], max_new_tokens=body["max_new_tokens"], do_sample=False)
+        assert answer[0]["generated_text"] == want["generated_text"]
+    status, error = answers[-1]
+    assert status == 400 and '"temperature" must be a number in [0, inf]' in error["message"]
 
-        body = {"text": PROMPTS[2][0], "max_new_tokens": 24, "stream": True, "details": True}
-        status, headers, lines = stream(server, body, "tiny-llama")
-        assert status == 200 and headers.get("transfer-encoding") == "chunked", headers
-        *chunks, final = lines
-        assert len(chunks) == 24 and all(set(chunk) == {"token_id", "text"} for chunk in chunks)
-        status, plain = predict(server, {**body, "stream": False}, model="tiny-llama")
-        assert status == 200 and final == plain  # the last line is the answer itself
-        assert body["text"] + "".join(chunk["text"] for chunk in chunks) == plain[0]["generated_text"]
-        assert [chunk["token_id"] for chunk in chunks] == plain[0]["details"]["token_ids"]
-        seeded = {"text": "Once upon a time", "max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 5}
-        first, again = concurrently(server, [seeded, seeded], model="tiny-llama")
-        assert first[0] == again[0] == 200 and first[1] == again[1]  # a seed reproduces, batched or not
-        status, error = predict(server, {"text": "word " * 300}, model="tiny-llama")
-        assert status == 400 and "this model reads at most 256 tokens in all" in error["message"]
-        assert_nothing_compiled_after_ready(server, "tiny-llama")
-    finally:
-        assert server.management("DELETE", "/models/tiny-llama")[0] == 200
+    body = {"text": PROMPTS[2][0], "max_new_tokens": 24, "stream": True, "details": True}
+    status, headers, lines = stream(server, body, "tiny-llama")
+    assert status == 200 and headers.get("transfer-encoding") == "chunked", headers
+    *chunks, final = lines
+    assert len(chunks) == 24 and all(set(chunk) == {"token_id", "text"} for chunk in chunks)
+    status, plain = predict(server, {**body, "stream": False}, model="tiny-llama")
+    assert status == 200 and final == plain  # the last line is the answer itself
+    assert body["text"] + "".join(chunk["text"] for chunk in chunks) == plain[0]["generated_text"]
+    assert [chunk["token_id"] for chunk in chunks] == plain[0]["details"]["token_ids"]
+    seeded = {"text": "Once upon a time", "max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 5}
+    first, again = concurrently(server, [seeded, seeded], model="tiny-llama")
+    assert first[0] == again[0] == 200 and first[1] == again[1]  # a seed reproduces, batched or not
+    status, error = predict(server, {"text": "word " * 300}, model="tiny-llama")
+    assert status == 400 and "this model reads at most 256 tokens in all" in error["message"]
+    assert_nothing_compiled_after_ready(server, "tiny-llama")
+
+
+ARCHIVES = {"minilm": "min_cosine", "minilm-sentiment": "score_agreement", "minilm-ner": "score_agreement",
+            "minilm-qa": "score_agreement", "tiny-llama": "greedy_token_agreement"}  # one per task, with its gate
+
+
+@pytest.mark.parametrize("model", ARCHIVES)
+def test_every_kind_of_bad_request_fails_alone_and_the_worker_stays_up(server, model):
+    """scripts/hostile_inputs.py's cases (>= 15 kinds, plus the task's own), sent at once with good requests so
+    TorchServe batches them together: each bad one gets its 4xx and a JSON error naming the problem, each good
+    one the answer it gets alone, the worker stays the same process, and the next good request is still right."""
+    import hostile_inputs
+
+    if model != "minilm":
+        registered(server, model, metric=ARCHIVES[model])
+    max_request_size = int(tsctl.read_properties(shifted_config_path(server))["max_request_size"])
+    report = hostile_inputs.check(server, model, max_request_size)
+    kinds = [outcome.case.kind for outcome in report["outcomes"]]
+    print(f"{model} ({report['task']}): {len(kinds)} kinds of hostile request: {kinds}")
+    assert not report["problems"], "\n".join(report["problems"])
+    assert len(kinds) >= 17 and {o.status for o in report["outcomes"]} >= {400, 413, 200}
 
 
 def test_unregister(server):
