@@ -24,7 +24,6 @@ import math
 import os
 import queue
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -69,15 +68,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "e2e",
                         help="output stem: writes STEM.csv, .png, .md, .json (default bench_results/e2e)")
     return parser.parse_args()
-
-
-def shifted_config(tmp: Path, shift: int) -> Path:
-    """The shipped config.properties with every port moved by ``shift`` (as tests/test_torchserve.py does)."""
-    text = (REPO / "model_configs" / "config.properties").read_text()
-    text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + shift}", text)
-    path = tmp / "config.properties"
-    path.write_text(text + f"\ninitial_worker_port={9000 + shift}\n")
-    return path
 
 
 SHARED_KEYS = ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay")  # what makes it a fair comparison
@@ -362,7 +352,7 @@ def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl
     if args.cold_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
     started = time.monotonic()
-    server = tsctl.start(shifted_config(work, args.port_shift), store, [f"{m}={m}.mar" for m in MODELS],
+    server = tsctl.start(tsctl.shifted_config(work, args.port_shift), store, [f"{m}={m}.mar" for m in MODELS],
                          work / "run", args.timeout)
     log(f"TorchServe READY with both models in {time.monotonic() - started:.0f}s")
     return server

@@ -30,7 +30,7 @@ import tsctl
 import yaml
 from bench_common import (DEFAULT_OUT, REPO, log, markdown_table, run_header, summarize, write_csv, write_json,
                           write_plot)
-from bench_e2e import Client, send_all, shifted_config
+from bench_e2e import Client, send_all
 from bench_tasks import TASK_MODELS, check_agreement, model_dir, workloads
 
 VARIANTS = ("shipped", "eager")
@@ -198,7 +198,7 @@ def main() -> None:
     store = work / "model_store"
     names = {task: package_variants(task, args, store, work) for task in args.tasks}
     run_dir = work / "run"
-    server = tsctl.start(shifted_config(work, args.port_shift), store, [], run_dir, args.timeout,
+    server = tsctl.start(tsctl.shifted_config(work, args.port_shift), store, [], run_dir, args.timeout,
                          extra_env={"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve())})
     rows = []
     try:

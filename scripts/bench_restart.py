@@ -34,21 +34,6 @@ PORT_SHIFT = 30000  # away from the shipped ports, the tests (+10000) and bench_
 MODEL = "minilm"
 
 
-def shifted_config(tmp: Path) -> Path:
-    props = tsctl.read_properties(tsctl.DEFAULT_CONFIG)
-    lines = []
-    for key, value in props.items():
-        if key.endswith("_address") and value.startswith("http://127.0.0.1:"):
-            value = f"http://127.0.0.1:{int(value.rsplit(':', 1)[1]) + PORT_SHIFT}"
-        elif key.endswith("_port"):
-            value = str(int(value) + PORT_SHIFT)
-        lines.append(f"{key}={value}")
-    lines.append(f"initial_worker_port={9000 + PORT_SHIFT}")
-    path = tmp / "config.properties"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def worker_load_seconds(run_dir: Path) -> list[float]:
     """Each worker's own load time (model loaded, ladder run, READY), from the handler's log line."""
     log = run_dir / "logs" / "model_log.log"
@@ -66,7 +51,7 @@ def start_timed(config: Path, store: Path, run_dir: Path, cache: Path) -> tuple[
 def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     store = tmp / "store"
     package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
-    config = shifted_config(tmp)
+    config = tsctl.shifted_config(tmp, PORT_SHIFT)
     cache = tmp / "cache-host-a"
     rows = []
     bc.log("1/3 cold start (empty compile cache)")

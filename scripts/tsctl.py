@@ -80,6 +80,16 @@ def server_for(config: Path, run_dir: Path) -> Server:
     )
 
 
+def shifted_config(out_dir: Path, shift: int, config: Path = DEFAULT_CONFIG) -> Path:
+    """``config`` with every port moved by ``shift`` (worker ports too), written to ``out_dir``, so that servers
+    for tests (+10000, +11000), benchmarks (+20000, +30000) and a dev server (+0) never collide."""
+    text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + shift}",
+                  config.read_text())
+    path = out_dir / config.name
+    path.write_text(text + f"\ninitial_worker_port={9000 + shift}\n")
+    return path
+
+
 def server_env(run_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the archive must bring its own code

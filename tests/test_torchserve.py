@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -40,11 +39,7 @@ def shifted_config_path(server) -> Path:
 
 
 def shifted_config(tmp: Path) -> Path:
-    text = (REPO / "model_configs" / "config.properties").read_text()
-    text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + PORT_SHIFT}", text)
-    path = tmp / "config.properties"
-    path.write_text(text + f"\ninitial_worker_port={9000 + PORT_SHIFT}\n")
-    return path
+    return tsctl.shifted_config(tmp, PORT_SHIFT)
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +50,17 @@ def server(tmp_path_factory, model_store):
     server = tsctl.start(shifted_config(tmp), model_store, ["minilm=minilm.mar"], run_dir, timeout=900)
     print(f"TorchServe READY in {time.monotonic() - started:.0f}s")
     yield server
+    stop_and_check_no_key_leaked(server)
+
+
+def stop_and_check_no_key_leaked(server) -> None:
+    """Stop the server, then look for its keys in everything it logged."""
     keys = [server.key(kind) for kind in ("inference", "management")]
-    tsctl.stop(run_dir)
+    tsctl.stop(server.run_dir)
     # logs/ and the server's output only: run/tmp holds worker scratch files that may vanish mid-scan.
-    leaked = [str(path) for path in [*(run_dir / "logs").rglob("*.log"), run_dir / "torchserve.out"]
-              if path.is_file() and any(key in path.read_text(errors="replace") for key in keys)]
+    logs = [*(server.run_dir / "logs").rglob("*.log"), server.run_dir / "torchserve.out"]
+    leaked = [str(path) for path in logs if path.is_file() and any(key in path.read_text(errors="replace")
+                                                                   for key in keys)]
     assert not leaked, f"a token appears in {leaked}"
 
 

@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""A bounded soak through a running TorchServe: many requests at high concurrency, texts of mixed lengths, and
+a sprinkle of bad requests among them.
+
+It passes (exit 0) when all of these hold:
+- every good request got a 200 and every bad one its 4xx;
+- a sample of the answers equals fp32 eager. The reference is the archive's own model and YAML, loaded here on
+  the eager rung;
+- after warmup, the worker's RSS grew by less than --max-rss-growth, and its open files and threads did not grow.
+Progress prints every 10%. With --out it writes a CSV of the process samples and a PNG plot.
+
+  scripts/start.sh
+  .venv/bin/python scripts/soak.py --model minilm --archive model_store/minilm.mar      # 5,000 requests at c32
+
+The test suite runs a shorter soak (tests/test_production.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(SCRIPTS), str(SCRIPTS.parent)]
+
+import hostile_inputs  # noqa: E402
+import tsctl  # noqa: E402
+
+WORDS = ("serving compile graph kernel batch token model worker cache tensor queue latency python torch inference "
+         "request answer embedding sentence vector cat dog tea train music weather river city garden").split()
+
+
+@dataclass
+class ProcessSample:
+    seconds: float
+    rss_mb: float
+    fds: int
+    threads: int
+
+
+def process_sample(pid: int, started: float) -> ProcessSample:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    return ProcessSample(round(time.monotonic() - started, 2), rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd")),
+                         len(os.listdir(f"/proc/{pid}/task")))
+
+
+@dataclass
+class Sampler:
+    """Samples one process every ``interval`` seconds on a thread, until stopped."""
+
+    pid: int
+    interval: float = 0.5
+    samples: list[ProcessSample] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(process_sample(self.pid, self.started))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> list[ProcessSample]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+def reference_engine(archive: Path, work: Path) -> Any:
+    """The archive's model and YAML, served on the eager rung in fp32 in this process: the reference answers."""
+    from handlers.config import load_config
+    from handlers.engine import Engine
+
+    with zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(work)
+    manifest = json.loads((work / "MAR-INF" / "MANIFEST.json").read_text())
+    import yaml
+
+    raw = yaml.safe_load((work / manifest["model"]["configFile"]).read_text())
+    raw.pop("pt2", None)
+    settings = raw.setdefault("pt2_handlers", {})
+    settings.update(ladder=["eager"], dtype="float32")
+    settings.pop("compile_cache", None)
+    import torch
+
+    engine = Engine(load_config(raw), work, torch.device("cpu"), "reference")
+    engine.load()
+    return engine
+
+
+def mixed_texts(count: int, rng: random.Random, words: tuple[int, int] = (3, 96)) -> list[str]:
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) for _ in range(count)]
+
+
+def bad_cases(task: str, inputs: dict[str, Any]) -> list[hostile_inputs.Case]:
+    """The cheap hostile cases (no oversize body, none answered 200)."""
+    return [case for case in hostile_inputs.cases(task, inputs, hostile_inputs.DEFAULT_MAX_REQUEST_SIZE)
+            if case.status != 200 and len(case.body) < 200_000]
+
+
+def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, concurrency: int = 32,
+         bad_every: int = 20, sample_every: int = 25, warmup: int = 200, max_rss_growth: float = 0.10, seed: int = 0,
+         progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the soak; returns the figures and ``problems`` (empty: passed)."""
+    meta = hostile_inputs.describe(server, model)
+    task, spec = meta["customizedMetadata"]["task"], hostile_inputs.TASKS[meta["customizedMetadata"]["task"]]
+    dtype = meta["customizedMetadata"]["optimization"]["dtype"]
+    pid = meta["workers"][0]["pid"]
+    rng = random.Random(seed)
+    bad = bad_cases(task, meta["customizedMetadata"]["inputs"])
+    plan: list[tuple[bytes, str | None, int]] = []  # body, content type, expected status
+    for index, text in enumerate(mixed_texts(requests, rng)):
+        if index % bad_every == bad_every - 1:
+            case = bad[index // bad_every % len(bad)]
+            plan.append((case.body, case.content_type, case.status))
+        else:
+            plan.append((json.dumps(spec.good(text)).encode(), "application/json", 200))
+    for body, content_type, _ in plan[:warmup]:  # warmup: allocator pools and caches settle
+        hostile_inputs.send(server, model, body, content_type)
+    progress(f"[soak] {model} ({task}, {dtype}, worker pid {pid}): {len(plan)} requests at concurrency "
+             f"{concurrency}, 1 in {bad_every} bad, after {warmup} warmup requests")
+    sampler = Sampler(pid)
+    answers: list[hostile_inputs.Answer | None] = [None] * len(plan)
+    done = [0]
+    lock = threading.Lock()
+    started = time.monotonic()
+
+    def one(index: int) -> None:
+        answers[index] = hostile_inputs.send(server, model, plan[index][0], plan[index][1])
+        with lock:
+            done[0] += 1
+            if done[0] % max(1, len(plan) // 10) == 0:
+                progress(f"[soak] {done[0]}/{len(plan)} in {time.monotonic() - started:.0f}s")
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(len(plan))))
+    seconds = time.monotonic() - started
+    time.sleep(1.0)  # one more sample once idle
+    samples = sampler.stop()
+    report = judge(archive, plan, answers, samples, dtype, sample_every, max_rss_growth, progress)
+    workers = hostile_inputs.describe(server, model)["workers"]
+    if [(w["pid"], w["status"]) for w in workers] != [(pid, "READY")]:
+        report["problems"].append(f"the worker changed: pid {pid} -> {workers}")
+    return {"model": model, "task": task, "dtype": dtype, "seconds": round(seconds, 1),
+            "requests_per_s": round(len(plan) / seconds, 1), **report}
+
+
+def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample], dtype: str, sample_every: int,
+          max_rss_growth: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    problems = []
+    wrong_status = [(i, answers[i][0], answers[i][1][:120]) for i, (_, _, want) in enumerate(plan)
+                    if answers[i] is None or answers[i][0] != want]
+    good = [i for i, (_, _, want) in enumerate(plan) if want == 200]
+    if wrong_status:
+        problems.append(f"{len(wrong_status)} requests got an unexpected status, e.g. {wrong_status[:3]}")
+    checked = [i for i in good[::sample_every] if answers[i] is not None and answers[i][0] == 200]
+    progress(f"[soak] checking {len(checked)} sampled answers against fp32 eager")
+    with tempfile.TemporaryDirectory() as work:
+        engine = reference_engine(archive, Path(work))
+        tolerance = 1e-3 if dtype == "float32" else 2e-2
+        for start in range(0, len(checked), 8):
+            chunk = checked[start:start + 8]
+            want = engine.predict([json.loads(plan[i][0]) for i in chunk])
+            problems += [f"request {i}: answer differs from fp32 eager" for i, ref in zip(chunk, want, strict=True)
+                         if not hostile_inputs.close(json.loads(answers[i][1]), ref, tolerance)]
+    base, end = samples[0], samples[-1]
+    rss_growth = (end.rss_mb - base.rss_mb) / base.rss_mb
+    if rss_growth >= max_rss_growth:
+        problems.append(f"worker RSS grew {rss_growth:.1%} ({base.rss_mb:.0f} -> {end.rss_mb:.0f} MB)")
+    if end.fds > base.fds or end.threads > base.threads:
+        problems.append(f"worker fds {base.fds} -> {end.fds}, threads {base.threads} -> {end.threads}")
+    return {
+        "requests": len(plan), "good": len(good), "bad": len(plan) - len(good), "unexpected_status": len(wrong_status),
+        "answers_checked": len(checked), "rss_growth": round(rss_growth, 4),
+        "rss_mb": {"after_warmup": round(base.rss_mb, 1), "end": round(end.rss_mb, 1),
+                   "max": round(max(s.rss_mb for s in samples), 1)},
+        "fds": [base.fds, end.fds], "threads": [base.threads, end.threads], "samples": samples, "problems": problems,
+    }
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    """CSV of the process samples, a PNG of RSS / fds / threads over time, and the report as JSON."""
+    import csv
+
+    out.mkdir(parents=True, exist_ok=True)
+    samples = report.pop("samples")
+    with (out / "soak_samples.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["seconds", "rss_mb", "fds", "threads"])
+        writer.writerows([s.seconds, round(s.rss_mb, 1), s.fds, s.threads] for s in samples)
+    (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    times = [s.seconds for s in samples]
+    for ax, (name, values) in zip(axes, (("worker RSS (MB)", [s.rss_mb for s in samples]),
+                                         ("open files", [s.fds for s in samples]),
+                                         ("threads", [s.threads for s in samples])), strict=True):
+        ax.plot(times, values)
+        ax.set_title(name)
+        ax.set_xlabel("seconds into the soak")
+        ax.set_ylim(bottom=0)
+    fig.suptitle(f"soak: {report['requests']} requests to {report['model']} at {report['requests_per_s']} req/s, "
+                 f"RSS growth {report['rss_growth']:.1%}")
+    fig.tight_layout()
+    fig.savefig(out / "soak.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--archive", type=Path, default=tsctl.REPO / "model_store" / "minilm.mar",
+                        help="the .mar the model was registered from (its model and YAML give the reference)")
+    parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--bad-every", type=int, default=20, help="one bad request in this many")
+    parser.add_argument("--sample-every", type=int, default=25, help="check one good answer in this many")
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--max-rss-growth", type=float, default=0.10)
+    parser.add_argument("--config", type=Path, default=tsctl.DEFAULT_CONFIG)
+    parser.add_argument("--run-dir", type=Path, default=tsctl.DEFAULT_RUN_DIR)
+    parser.add_argument("--out", type=Path, default=None, help="write soak_samples.csv, soak.json, soak.png here")
+    args = parser.parse_args()
+    server = tsctl.server_for(args.config, args.run_dir.resolve())
+    report = soak(server, args.model, args.archive, args.requests, args.concurrency, args.bad_every,
+                  args.sample_every, args.warmup, args.max_rss_growth)
+    if args.out:
+        write_outputs(report, args.out)
+    report.pop("samples", None)
+    print(json.dumps(report, indent=2))
+    sys.exit(1 if report["problems"] else 0)
+
+
+if __name__ == "__main__":
+    main()
