@@ -98,7 +98,8 @@ class Engine:
         batches = [self._on_device(batch) if isinstance(batch, Mapping) else batch
                    for batch in self._task.warmup_batches(self.shapes.warmup_shapes())]
         no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
-        rungs = build_ladder(self.config, self.device, dtype, compile_unavailable=no_cache)
+        rungs = build_ladder(self.config, self.device, dtype, compile_unavailable=no_cache,
+                             inductor_unavailable=hardware.cpp_compiler_problem(self.device))
         self.notes = [note for rung in rungs for note in rung.notes(self.device)]
         result = run_ladder(reference, serving, dtype, rungs, batches, task_class.quality_gate(
             dtype, settings.quality_gate), run=self._task.prove)

@@ -75,3 +75,20 @@ def resolve_threads(requested: int | None, workers: int, device: torch.device) -
         return Choice(min(cores, 4), "auto: a GPU worker needs few CPU threads")
     threads = max(1, cores // max(1, workers))
     return Choice(threads, f"auto: {cores} cores / {workers} worker(s) (minWorkers)")
+
+
+def cpp_compiler_problem(device: torch.device) -> str | None:
+    """Why inductor cannot compile for this CPU worker, or None. Inductor on CPU builds C++ kernels, so it
+    needs a working compiler ($CXX, else g++); a worker image without one would otherwise trace for seconds
+    before failing at code generation, for each compile rung."""
+    if device.type != "cpu":
+        return None
+    try:
+        from torch._inductor import cpp_builder
+
+        cpp_builder.get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 -- InvalidCxxCompiler, or a torch that moved the helper
+        tried = os.environ.get("CXX", "g++")
+        return (f"inductor on cpu needs a C++ compiler and none works here (tried {tried!r}: "
+                f"{type(exc).__name__}); install g++ in the worker image, or set CXX")
+    return None

@@ -214,17 +214,22 @@ class EagerRung(Rung):
 
 
 def build_ladder(config: HandlerConfig, device: torch.device, dtype: DType,
-                 compile_unavailable: str | None = None) -> list[Rung]:
+                 compile_unavailable: str | None = None, inductor_unavailable: str | None = None) -> list[Rung]:
     """The rungs named in ``pt2_handlers.ladder``, in order; eager is always last. ``compile_unavailable``
-    skips the compile rungs with that reason (e.g. no writable compile cache)."""
+    skips the compile rungs with that reason (e.g. no writable compile cache); ``inductor_unavailable`` skips
+    those that compile with inductor (e.g. no C++ compiler for a CPU worker)."""
     requested = config.served_compile
     rungs: list[Rung] = []
+
+    def unavailable(spec: CompileSpec) -> str | None:
+        return compile_unavailable or (inductor_unavailable if spec.backend == "inductor" else None)
+
     for name in config.settings.ladder:
         if name is RungName.COMPILE:
-            rungs.append(CompileRung(name.value, requested, skip_reason=compile_unavailable))
+            rungs.append(CompileRung(name.value, requested, skip_reason=unavailable(requested)))
         elif name is RungName.SAFE_COMPILE:
             same = "identical to the compile rung" if requested.safer() == requested else None
-            rungs.append(CompileRung(name.value, requested.safer(), skip_reason=compile_unavailable or same))
+            rungs.append(CompileRung(name.value, requested.safer(), skip_reason=unavailable(requested.safer()) or same))
         elif name is RungName.IPEX:
             rungs.append(IpexRung(device, dtype))
         else:

@@ -24,7 +24,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spec
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
     gpu needs CUDA; ipex needs the ipex profile; ipex_mismatch needs the default profile and the IPEX wheel
-    unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv. scripts/test.sh provides them all
+    unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv; default_profile runs in the default
+    profile only. scripts/test.sh provides them all
     and runs both profiles, so only gpu stays unrun on a CPU machine."""
     for marker, reason in unavailable_reasons().items():
         chosen = [item for item in items if item.get_closest_marker(marker)]
@@ -50,8 +51,12 @@ def unavailable_reasons() -> dict[str, str | None]:
         mismatch = None
     qa_reference = None if os.environ.get(QA_REFERENCE_ENV) else (
         f"set {QA_REFERENCE_ENV} to transformers 4.57.1 (scripts/test.sh does: setup.sh --qa-reference)")
+    # Once is enough for what does not depend on torch's version (the adapter, TorchServe, the hostile-input
+    # table, faults, the soak): the ipex profile skips them to keep scripts/test.sh within its time budget.
+    default_profile = None if ipex else "TorchServe and adapter behaviour, the same under any torch: run in the " \
+                                        "default profile"
     return {"gpu": gpu, "ipex": ipex and f"{ipex} (scripts/test.sh runs them there)", "ipex_mismatch": mismatch,
-            "qa_reference": qa_reference}
+            "qa_reference": qa_reference, "default_profile": default_profile}
 
 
 @pytest.fixture(scope="session")
@@ -107,8 +112,10 @@ def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
                          ("minilm-qa", "minilm-question-answering.yaml"),
                          ("tiny-llama", "tiny-llama-generation.yaml")):
         package.build(name, task_model_dirs[name], REPO / "model_configs" / config, store)
-    package.build("minilm-faulty", minilm_dir, REPO / "tests" / "configs" / "minilm-faulty-backend.yaml", store,
-                  extra_files=(REPO / "tests" / "faulty_backends.py",))
+    for name, config in (("minilm-faulty", "minilm-faulty-backend.yaml"), ("minilm-wrong", "minilm-wrong-numbers.yaml"),
+                         ("minilm-breaks", "minilm-breaks-after-ready.yaml")):
+        package.build(name, minilm_dir, REPO / "tests" / "configs" / config, store,
+                      extra_files=(REPO / "tests" / "faulty_backends.py",))
     return store
 
 

@@ -7,6 +7,9 @@ integration test ships this file inside an archive so a real worker imports it.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 
 def raise_on_compile(graph_module, example_inputs):
     raise RuntimeError("injected failure: this backend cannot compile anything")
@@ -39,14 +42,19 @@ def negated(graph_module, example_inputs):
 
 
 BROKEN = {"now": False}  # set by a test: the graphs compiled by breaks_on_demand raise from then on
+BREAK_FILE = "pt2-break-compiled-graphs"  # or, in a TorchServe worker: this file in its temp dir exists
+
+
+def broken() -> bool:
+    return BROKEN["now"] or Path(tempfile.gettempdir(), BREAK_FILE).exists()
 
 
 def breaks_on_demand(graph_module, example_inputs):
-    """Compiles to the graph itself (fast: no codegen), which raises while ``BROKEN["now"]`` is set: a compiled
-    rung that proved itself at load and fails on live traffic later."""
+    """Compiles to the graph itself (fast: no codegen), which raises once ``broken()``: a compiled rung that proved
+    itself at load and fails on live traffic later."""
 
     def run(*args):
-        if BROKEN["now"]:
+        if broken():
             raise RuntimeError("injected failure: the compiled graph broke after READY")
         return graph_module(*args)
 

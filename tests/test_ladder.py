@@ -349,3 +349,22 @@ def test_compile_rungs_build_no_precompiled_headers(tmp_path, monkeypatch):
     # The control: torch's default does build them, so the assertion above is not vacuous.
     torch.compile(lambda x: torch.tanh(x * 2.3456) - x)(torch.randn(2, 8))
     assert any((tmp_path / "headers").glob("*.h*"))
+
+
+def test_a_cpu_worker_without_a_cpp_compiler_skips_the_inductor_rungs_at_once():
+    """No g++ in the worker image: the inductor rungs are skipped with the reason, before any tracing; a custom
+    backend (no C++) still gets its try."""
+    from torch._inductor import config as inductor_config
+
+    from handlers import hardware
+
+    cpu = torch.device("cpu")
+    assert hardware.cpp_compiler_problem(cpu) is None  # this machine has g++
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
+        problem = hardware.cpp_compiler_problem(cpu)
+    assert problem is not None and "needs a C++ compiler and none works here" in problem
+    assert hardware.cpp_compiler_problem(torch.device("meta")) is None
+    config = load_config({"pt2": {"compile": {"enable": True, "backend": "tests.faulty_backends:raise_on_compile"}},
+                          "pt2_handlers": {"ladder": ["compile", "safe_compile", "eager"]}})
+    rungs = build_ladder(config, cpu, DType.FLOAT32, inductor_unavailable=problem)
+    assert [rung.unavailable_reason() for rung in rungs[:2]] == [None, problem]

@@ -281,6 +281,56 @@ def test_a_compile_that_fails_at_first_forward_still_serves_every_request(server
     assert server.management("DELETE", "/models/minilm-faulty")[0] == 200
 
 
+@pytest.mark.default_profile
+def test_a_compile_with_wrong_outputs_is_refused_at_load_by_the_quality_gate(server, reference):
+    status, body = server.management("POST", "/models?url=minilm-wrong.mar&initial_workers=1&synchronous=true",
+                                     timeout=900)
+    assert status == 200, body
+    optimization = describe(server, "minilm-wrong")["customizedMetadata"]["optimization"]
+    compile_attempt = optimization["attempts"][0]
+    assert (compile_attempt["rung"], compile_attempt["status"]) == ("compile", "failed")
+    quality = compile_attempt["quality"]
+    assert quality["metric"] == "min_cosine" and quality["value"] < quality["threshold"], quality
+    assert optimization["active"] == "eager"
+    want = reference(TEXTS[:4])
+    for index, text in enumerate(TEXTS[:4]):
+        status, answer = predict(server, {"text": text}, model="minilm-wrong")
+        assert status == 200
+        assert_close_embeddings(answer["embedding"], want[index])
+    assert server.management("DELETE", "/models/minilm-wrong")[0] == 200
+
+
+@pytest.mark.default_profile
+def test_a_compiled_rung_that_breaks_after_ready_is_retried_eagerly_then_demoted(server, reference):
+    """No client sees the failures: each failing batch is re-run eagerly, and after max_runtime_failures (2) the
+    worker serves eager for good, visibly in describe and the log."""
+    from tests.faulty_backends import BREAK_FILE
+
+    status, body = server.management("POST", "/models?url=minilm-breaks.mar&initial_workers=1&synchronous=true",
+                                     timeout=900)
+    assert status == 200, body
+    assert describe(server, "minilm-breaks")["customizedMetadata"]["optimization"]["active"] == "compile"
+    want = reference(TEXTS)
+    assert predict(server, {"text": TEXTS[0]}, model="minilm-breaks")[0] == 200
+    trigger = server.run_dir / "tmp" / BREAK_FILE
+    trigger.touch()
+    try:
+        answers = [predict(server, {"text": text}, model="minilm-breaks") for text in TEXTS[:3]]
+        answers += concurrently(server, [{"text": text} for text in TEXTS[3:]], model="minilm-breaks")
+    finally:
+        trigger.unlink()
+    for index, (status, answer) in enumerate(answers):
+        assert status == 200, answer
+        assert_close_embeddings(answer["embedding"], want[index])
+    optimization = describe(server, "minilm-breaks")["customizedMetadata"]["optimization"]
+    runtime = optimization["runtime"]
+    assert optimization["active"] == "eager" and runtime["demoted"] and runtime["runtime_failures"] == 2, runtime
+    assert "injected failure: the compiled graph broke after READY" in runtime["last_failure"]
+    log = (server.run_dir / "logs" / "model_log.log").read_text()
+    assert "rung compile failed 2 live batches; demoting this worker to fp32 eager" in log
+    assert server.management("DELETE", "/models/minilm-breaks")[0] == 200
+
+
 def assert_same_classification(got: list[dict], want: list[dict], tolerance: float) -> None:
     """Scores per label within the gate's tolerance; the order of labels identical wherever fp32's own
     scores are further apart than the tolerance allows to swap (always, for an fp32 rung at 1e-4 here)."""
@@ -445,6 +495,7 @@ ARCHIVES = {"minilm": "min_cosine", "minilm-sentiment": "score_agreement", "mini
             "minilm-qa": "score_agreement", "tiny-llama": "greedy_token_agreement"}  # one per task, with its gate
 
 
+@pytest.mark.default_profile
 @pytest.mark.parametrize("model", ARCHIVES)
 def test_every_kind_of_bad_request_fails_alone_and_the_worker_stays_up(server, model):
     """scripts/hostile_inputs.py's cases (>= 15 kinds, plus the task's own), sent at once with good requests so

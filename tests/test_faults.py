@@ -1,0 +1,91 @@
+"""Faults in the worker's environment and in the archive, on a real TorchServe.
+
+The server here starts with ``CXX`` naming a compiler that does not exist, as a worker image without g++ would
+have. Inductor on CPU cannot build its kernels there. So the shipped archive must come up on a lower rung at once,
+with the reason in describe. An archive whose YAML is invalid (built past scripts/package.py's check) must fail to
+register, with the reason in the model log, and must not leave workers restarting.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import package  # noqa: E402
+import tsctl  # noqa: E402
+
+from handlers.ipex import probe_ipex  # noqa: E402
+from tests.test_torchserve import TEXTS, assert_close_embeddings, describe, predict  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.default_profile]
+
+PORT_SHIFT = 12000  # clear of the other test servers (+10000, +11000)
+NO_COMPILER = "/nonexistent/g++"
+
+
+@pytest.fixture(scope="module")
+def no_toolchain(tmp_path_factory, model_store):
+    tmp = tmp_path_factory.mktemp("faults")
+    store = tmp / "store"
+    store.mkdir()
+    os.link(model_store / "minilm.mar", store / "minilm.mar")
+    started = time.monotonic()
+    server = tsctl.start(tsctl.shifted_config(tmp, PORT_SHIFT), store, ["minilm=minilm.mar"], tmp / "run",
+                         timeout=900, extra_env={"CXX": NO_COMPILER})
+    print(f"READY without a C++ compiler in {time.monotonic() - started:.0f}s")
+    yield server
+    tsctl.stop(server.run_dir)
+
+
+def test_a_worker_without_a_cpp_compiler_serves_on_a_lower_rung_and_says_why(no_toolchain, reference):
+    optimization = describe(no_toolchain)["customizedMetadata"]["optimization"]
+    attempts = {a["rung"]: a for a in optimization["attempts"]}
+    for rung in ("compile", "safe_compile"):
+        assert attempts[rung]["status"] == "skipped", attempts[rung]
+        assert f"needs a C++ compiler and none works here (tried '{NO_COMPILER}'" in attempts[rung]["reason"]
+        assert attempts[rung]["seconds"] == 0.0  # skipped before any tracing
+    if probe_ipex()[0] is not None:  # the ipex profile: IPEX needs no C++ compiler
+        assert optimization["active"] == "ipex"
+    else:
+        assert optimization["active"] == "eager" and attempts["ipex"]["status"] == "skipped"
+    want = reference(TEXTS[:4])
+    for index, text in enumerate(TEXTS[:4]):
+        status, answer = predict(no_toolchain, {"text": text})
+        assert status == 200
+        assert_close_embeddings(answer["embedding"], want[index])
+
+
+def test_an_archive_with_an_invalid_yaml_fails_to_register_with_the_reason_and_no_restart_storm(
+        no_toolchain, tiny_bert_dir, tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text("minWorkers: 1\nmaxWorkers: 1\npt2:\n  compile:\n    enable: true\n    mdoe: reduce-overhead\n")
+    store = no_toolchain.run_dir.parent / "store"
+    with tempfile.TemporaryDirectory() as tmp:  # what scripts/package.py would refuse to build
+        staging = Path(tmp) / "archive"
+        package.stage(tiny_bert_dir, staging)
+        subprocess.run(package.archiver_command("typo", "1.0", staging, config, store), check=True)
+    log = no_toolchain.run_dir / "logs" / "model_log.log"
+    offset = log.stat().st_size
+    started = time.monotonic()
+    status, body = no_toolchain.management("POST", "/models?url=typo.mar&initial_workers=1&synchronous=true",
+                                           timeout=300)
+    seconds = time.monotonic() - started
+    assert status >= 400, body
+    reason = "pt2.compile: unknown key(s) mdoe (did you mean mode?)"
+    text = log.read_text(errors="replace")
+    assert reason in text[offset:], text[-2000:]
+    assert no_toolchain.management("GET", "/models/typo")[0] == 404, "the failed model stays registered"
+    time.sleep(10)  # a restart storm would keep starting workers (and logging the reason) from here on
+    later = log.read_text(errors="replace")[len(text):]
+    assert reason not in later, "workers of the failed model are still being restarted"
+    print(f"register refused in {seconds:.1f}s with {status}: {body[:200]!r}; "
+          f"{text[offset:].count(reason)} load attempt(s) logged the reason")
