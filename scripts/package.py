@@ -89,9 +89,20 @@ def check_config(config: Path, extra_files: tuple[Path, ...] = ()) -> None:
         raise SystemExit(f"refusing to build an archive: {report.getvalue().strip()}")
 
 
+def check_weights(model_dir: Path) -> None:
+    """Refuse a model directory without safetensors weights: the worker loads safetensors only (a pickled
+    pytorch_model.bin can run code when unpickled), so such an archive could never become READY."""
+    pickled = sorted(p.name for p in model_dir.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt"))
+    if not any(model_dir.glob("*.safetensors")):
+        raise SystemExit(f"refusing to build an archive: {model_dir} has no .safetensors weights"
+                         f"{' (only pickled ' + ', '.join(pickled) + ')' if pickled else ''}; pt2-handlers loads "
+                         "safetensors only: re-save with model.save_pretrained(dir), which writes safetensors")
+
+
 def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",
           extra_files: tuple[Path, ...] = ()) -> Path:
     check_name(name)
+    check_weights(model_dir)
     check_config(config, extra_files)
     started = time.perf_counter()
     export_path.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,20 @@ def test_package_refuses_a_name_that_torchserve_routes_to_its_token_api(tmp_path
     assert not list(tmp_path.iterdir())
 
 
+def test_package_refuses_a_model_with_only_pickled_weights(tmp_path, tiny_bert_dir):
+    import shutil
+
+    import package
+
+    model = tmp_path / "pickled"
+    shutil.copytree(tiny_bert_dir, model)
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    with pytest.raises(SystemExit, match=r"has no \.safetensors weights \(only pickled pytorch_model\.bin\); "
+                                         "pt2-handlers loads safetensors only"):
+        package.build("pickled", model, REPO / "model_configs" / "minilm-embeddings.yaml", tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
 def test_package_refuses_a_model_yaml_the_worker_would_reject(tmp_path, minilm_dir):
     import package
 
