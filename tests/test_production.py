@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -203,3 +204,32 @@ def test_a_worker_killed_during_its_warmup_comes_back_ready(production, referenc
         assert status == 200
         assert_close_embeddings(answer["embedding"], want[index])
     assert production.management("PUT", "/models/minilm?min_worker=1&max_worker=1&synchronous=true")[0] == 200
+
+
+def test_grpc_refuses_a_missing_or_wrong_key_and_answers_with_the_right_one(production):
+    """The token goes as gRPC metadata (``authorization: Bearer ...``); stubs come from TorchServe's own protos."""
+    import grpc
+    import grpc_client
+
+    config = production.run_dir.parent / PRODUCTION.name
+    body = json.dumps({"text": TEXTS[0]}).encode()
+    right = grpc_client.Client.for_server(config, production.run_dir)
+    try:
+        over_grpc = json.loads(right.predict("minilm", body))
+        over_rest = torch.tensor(predict(production, body)[1]["embedding"])
+        assert_close_embeddings(over_grpc["embedding"], over_rest, min_cosine=0.99999)
+        assert right.describe("minilm")[0]["modelName"] == "minilm"
+    finally:
+        right.close()
+    wrong_keys = {"none": lambda kind: None, "wrong": lambda kind: "x" * 8,
+                  "other": lambda kind: production.key("management" if kind == "inference" else "inference")}
+    for name, key in wrong_keys.items():
+        client = grpc_client.Client.for_server(config, production.run_dir, key)
+        try:
+            for call, args in ((client.predict, ("minilm", body)), (client.describe, ("minilm",))):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(*args)
+                assert REFUSED in info.value.details(), (name, info.value.code(), info.value.details())
+        finally:
+            client.close()
+

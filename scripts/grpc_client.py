@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""A Python gRPC client for TorchServe's inference and management APIs, with the token as call metadata.
+
+The stubs are generated with grpcio-tools from the ``.proto`` files inside the installed TorchServe's frontend
+jar, into a cache directory keyed by TorchServe's version. They are never copied into the repository.
+
+  .venv/bin/python scripts/grpc_client.py --model minilm '{"text": "hello world"}'    # against scripts/start.sh
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import sys
+import zipfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+import tsctl  # noqa: E402
+
+PROTOS = ("inference.proto", "management.proto")
+
+
+def stubs(cache: Path | None = None) -> dict[str, ModuleType]:
+    """inference_pb2, inference_pb2_grpc, management_pb2, management_pb2_grpc: generated once per TorchServe
+    version into ``cache`` (default ~/.cache/pt2-handlers/grpc-stubs-<version>) and imported."""
+    import google.rpc
+    import grpc_tools
+    import ts
+    from grpc_tools import protoc
+
+    version = importlib.metadata.version("torchserve")
+    out = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pt2-handlers" / \
+        f"grpc-stubs-{version}"
+    if not all((out / f"{name.removesuffix('.proto')}_pb2_grpc.py").is_file() for name in PROTOS):
+        out.mkdir(parents=True, exist_ok=True)
+        jar = Path(ts.__file__).parent / "frontend" / "model-server.jar"
+        with zipfile.ZipFile(jar) as archive:
+            for name in PROTOS:
+                (out / name).write_bytes(archive.read(name))
+        includes = [Path(grpc_tools.__file__).parent / "_proto",  # google/protobuf/empty.proto
+                    Path(google.rpc.__path__[0]).parent.parent]  # google/rpc/status.proto
+        args = ["protoc", f"-I{out}", *(f"-I{path}" for path in includes), f"--python_out={out}",
+                f"--grpc_python_out={out}", *(str(out / name) for name in PROTOS)]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"grpc_tools.protoc failed on {PROTOS} from {jar}")
+    if str(out) not in sys.path:
+        sys.path.insert(0, str(out))
+    return {name: importlib.import_module(name) for name in
+            ("inference_pb2", "inference_pb2_grpc", "management_pb2", "management_pb2_grpc")}
+
+
+class Client:
+    """Predictions and management calls over gRPC; ``key(kind)`` gives the token for "inference"/"management"
+    (None: call without one)."""
+
+    def __init__(self, host: str, inference_port: int, management_port: int, key: Any):
+        import grpc
+
+        self.modules = stubs()
+        self.key = key
+        self._channels = [grpc.insecure_channel(f"{host}:{port}") for port in (inference_port, management_port)]
+        self.inference = self.modules["inference_pb2_grpc"].InferenceAPIsServiceStub(self._channels[0])
+        self.management = self.modules["management_pb2_grpc"].ManagementAPIsServiceStub(self._channels[1])
+
+    @classmethod
+    def for_server(cls, config: Path, run_dir: Path, key: Any = None) -> Client:
+        props = tsctl.read_properties(config)
+        server = tsctl.server_for(config, run_dir)
+        return cls(props.get("grpc_inference_address", "127.0.0.1"), int(props.get("grpc_inference_port", 7070)),
+                   int(props.get("grpc_management_port", 7071)), key or server.key)
+
+    def _metadata(self, kind: str) -> list[tuple[str, str]]:
+        token = self.key(kind)
+        return [] if token is None else [("authorization", f"Bearer {token}")]
+
+    def predict(self, model: str, body: bytes, timeout: float = 120) -> bytes:
+        request = self.modules["inference_pb2"].PredictionsRequest(model_name=model, input={"data": body})
+        return self.inference.Predictions(request, metadata=self._metadata("inference"), timeout=timeout).prediction
+
+    def describe(self, model: str, timeout: float = 60) -> Any:
+        request = self.modules["management_pb2"].DescribeModelRequest(model_name=model, customized=True)
+        answer = self.management.DescribeModel(request, metadata=self._metadata("management"), timeout=timeout)
+        return json.loads(answer.msg)
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("body", help="the request body, e.g. '{\"text\": \"hello\"}'")
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--config", type=Path, default=tsctl.DEFAULT_CONFIG)
+    parser.add_argument("--run-dir", type=Path, default=tsctl.DEFAULT_RUN_DIR)
+    args = parser.parse_args()
+    client = Client.for_server(args.config, args.run_dir.resolve())
+    try:
+        print(client.predict(args.model, args.body.encode()).decode())
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    main()
