@@ -356,6 +356,7 @@ def assert_same_classification(got: list[dict], want: list[dict], tolerance: flo
             assert got[rank]["label"] == want[rank]["label"], (got, want)
 
 
+@pytest.mark.default_profile  # the task itself is proven compiled in both (tests/test_<task>.py)
 def test_text_classification_compiled_equals_the_pipeline(server, task_model_dirs):
     import transformers
 
@@ -401,6 +402,7 @@ def assert_nothing_compiled_after_ready(server, model: str) -> None:
     assert runtime["compiles_after_ready"] == 0 and runtime["runtime_failures"] == 0, runtime
 
 
+@pytest.mark.default_profile  # the task itself is proven compiled in both (tests/test_<task>.py)
 def test_token_classification_compiled_equals_the_pipeline(server, task_model_dirs):
     import transformers
 
@@ -425,6 +427,7 @@ def test_token_classification_compiled_equals_the_pipeline(server, task_model_di
     assert_nothing_compiled_after_ready(server, "minilm-ner")
 
 
+@pytest.mark.default_profile  # the task itself is proven compiled in both (tests/test_<task>.py)
 @pytest.mark.qa_reference
 def test_question_answering_compiled_equals_the_pipeline(server, task_model_dirs):
     from tests import pipeline_reference
@@ -464,6 +467,7 @@ def stream(server, body: dict, model: str) -> tuple[int, dict[str, str], list]:
         connection.close()
 
 
+@pytest.mark.default_profile  # the task itself is proven compiled in both (tests/test_<task>.py)
 def test_text_generation_compiled_equals_generate_and_streams_over_chunked_http(server, task_model_dirs):
     import transformers
 
