@@ -23,7 +23,7 @@ from ts.utils.util import PredictionException
 from handlers import compile_cache
 from handlers.config import load_config
 from handlers.engine import Engine
-from handlers.errors import HandlerError, InvalidInput
+from handlers.errors import ConfigError, HandlerError, InvalidInput
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,11 @@ class Pt2Handler(BaseHandler):
         properties = context.system_properties
         # Before the config is validated: validating imports torch._dynamo, which dies on an unusable cache dir.
         cache = compile_cache.prepare(compile_cache.configured_dir(context.model_yaml_config))
-        config = load_config(context.model_yaml_config)
+        try:
+            config = load_config(context.model_yaml_config)
+        except ConfigError as exc:  # the same line Engine.load writes, so tools watching the log find either
+            logger.error("model %s failed to load: invalid model YAML: %s", context.model_name, exc.message)
+            raise
         self.device = _device(properties.get("gpu_id"))
         self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name, cache)
         self.engine.load()

@@ -158,6 +158,10 @@ def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> Non
         if states.count("READY") >= count:
             print(f"[start] {name}: {count} worker(s) READY after {elapsed:.0f}s", flush=True)
             return
+        failure = load_failure(log, log_offset, name)
+        if failure:  # deterministic (an invalid YAML, no safetensors): TorchServe would retry it with backoff forever
+            raise RuntimeError(f"{name} failed to load: {failure}. TorchServe keeps retrying it with backoff; fix the "
+                               f"archive, re-package, and restart (logs: {server.run_dir}/logs)")
         if elapsed > timeout:
             raise TimeoutError(f"{name} not READY after {timeout:.0f}s (workers: {states}); see {server.run_dir}/logs")
         if elapsed - last_print >= 10:
@@ -165,6 +169,17 @@ def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> Non
                   f"{last_rung_line(log, log_offset)}", flush=True)
             last_print = elapsed
         time.sleep(1)
+
+
+def load_failure(log: Path, offset: int, name: str) -> str | None:
+    """The reason pt2-handlers logged for ``name`` failing to load, since ``offset``; None if it has not."""
+    marker = f"model {name} failed to load: "
+    if not log.is_file():
+        return None
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return next((line.split(marker, 1)[1].strip() for line in text.splitlines() if marker in line), None)
 
 
 def last_rung_line(log: Path, offset: int) -> str:

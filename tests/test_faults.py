@@ -64,15 +64,23 @@ def test_a_worker_without_a_cpp_compiler_serves_on_a_lower_rung_and_says_why(no_
         assert_close_embeddings(answer["embedding"], want[index])
 
 
+def typo_archive(model_dir: Path, store: Path, tmp: Path) -> Path:
+    """An archive whose YAML has a typo, built past scripts/package.py's check (which would refuse it)."""
+    config = tmp / "typo.yaml"
+    config.write_text("minWorkers: 1\nmaxWorkers: 1\npt2:\n  compile:\n    enable: true\n    mdoe: reduce-overhead\n")
+    with tempfile.TemporaryDirectory() as staging_root:
+        staging = Path(staging_root) / "archive"
+        package.stage(model_dir, staging)
+        subprocess.run(package.archiver_command("typo", "1.0", staging, config, store), check=True)
+    return store / "typo.mar"
+
+
+REASON = "pt2.compile: unknown key(s) mdoe (did you mean mode?)"
+
+
 def test_an_archive_with_an_invalid_yaml_fails_to_register_with_the_reason_and_no_restart_storm(
         no_toolchain, tiny_bert_dir, tmp_path):
-    config = tmp_path / "typo.yaml"
-    config.write_text("minWorkers: 1\nmaxWorkers: 1\npt2:\n  compile:\n    enable: true\n    mdoe: reduce-overhead\n")
-    store = no_toolchain.run_dir.parent / "store"
-    with tempfile.TemporaryDirectory() as tmp:  # what scripts/package.py would refuse to build
-        staging = Path(tmp) / "archive"
-        package.stage(tiny_bert_dir, staging)
-        subprocess.run(package.archiver_command("typo", "1.0", staging, config, store), check=True)
+    typo_archive(tiny_bert_dir, no_toolchain.run_dir.parent / "store", tmp_path)
     log = no_toolchain.run_dir / "logs" / "model_log.log"
     offset = log.stat().st_size
     started = time.monotonic()
@@ -80,12 +88,30 @@ def test_an_archive_with_an_invalid_yaml_fails_to_register_with_the_reason_and_n
                                            timeout=300)
     seconds = time.monotonic() - started
     assert status >= 400, body
-    reason = "pt2.compile: unknown key(s) mdoe (did you mean mode?)"
     text = log.read_text(errors="replace")
-    assert reason in text[offset:], text[-2000:]
+    assert f"model typo failed to load: invalid model YAML: {REASON}" in text[offset:], text[-2000:]
     assert no_toolchain.management("GET", "/models/typo")[0] == 404, "the failed model stays registered"
     time.sleep(10)  # a restart storm would keep starting workers (and logging the reason) from here on
     later = log.read_text(errors="replace")[len(text):]
-    assert reason not in later, "workers of the failed model are still being restarted"
+    assert REASON not in later, "workers of the failed model are still being restarted"
     print(f"register refused in {seconds:.1f}s with {status}: {body[:200]!r}; "
-          f"{text[offset:].count(reason)} load attempt(s) logged the reason")
+          f"{text[offset:].count(REASON)} load attempt(s) logged the reason")
+
+
+def test_a_server_started_with_an_invalid_archive_says_why_at_once(tiny_bert_dir, tmp_path):
+    """Loaded at startup (--models), a failing model is retried by TorchServe with backoff, for ever, while
+    describe shows only a worker that is not READY. scripts/start.sh stops waiting at the first failure and says
+    why."""
+    store = tmp_path / "store"
+    store.mkdir()
+    typo_archive(tiny_bert_dir, store, tmp_path)
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"typo failed to load: invalid model YAML: pt2\.compile: unknown "
+                                                r"key\(s\) mdoe \(did you mean mode\?\); allowed: .*\. TorchServe keeps retrying"):
+            tsctl.start(tsctl.shifted_config(tmp_path, PORT_SHIFT + 1000), store, ["typo=typo.mar"], run_dir,
+                        timeout=300)
+        print(f"start.sh said why after {time.monotonic() - started:.0f}s")
+    finally:
+        tsctl.stop(run_dir)
