@@ -99,3 +99,23 @@ def _torch_default() -> str:
     except (KeyError, OSError):
         user = f"uid_{os.getuid()}"
     return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+
+
+# torch's own counters of what its caches served: (counter group, key prefix) per cache.
+CACHES = {"fx_graph": ("inductor", "fxgraph_cache"), "aot_autograd": ("aot_autograd", "autograd_cache")}
+OUTCOMES = ("hit", "miss", "bypass")
+
+
+def use_counters() -> dict[str, dict[str, int]]:
+    """How often each compile cache hit, missed or was bypassed in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return {cache: {outcome: int(counters[group][f"{prefix}_{outcome}"]) for outcome in OUTCOMES}
+            for cache, (group, prefix) in CACHES.items()}
+
+
+def use_since(before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """What the caches served since ``before`` (a ``use_counters()``): e.g. a warm worker's load shows hits
+    and no misses."""
+    now = use_counters()
+    return {cache: {outcome: now[cache][outcome] - before[cache][outcome] for outcome in OUTCOMES} for cache in now}

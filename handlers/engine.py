@@ -9,6 +9,7 @@ import copy
 import enum
 import logging
 import time
+from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,20 @@ class State(str, enum.Enum):
     FAILED = "failed"
 
 
+@dataclass
+class BatchStats:
+    """What one batch cost, for metrics: milliseconds per stage, and how much of what ran was padding."""
+
+    requests: int = 0
+    milliseconds: dict[str, float] = field(default_factory=dict)  # parse, preprocess, forward, postprocess
+    real_tokens: int = 0  # tokens of the requests' texts, in the rows forward_batch ran
+    run_tokens: int = 0  # rows x sequence as run, after padding to the batch and to a shape bucket
+
+    @property
+    def padding_ratio(self) -> float:
+        return 1.0 - self.real_tokens / self.run_tokens if self.run_tokens else 0.0
+
+
 class Engine:
     """One model: ``load()`` once, then ``predict(bodies)`` per batch, ``describe()`` any time."""
 
@@ -50,9 +65,11 @@ class Engine:
         self.failure: str | None = None
         self.load_seconds: float | None = None
         self.attempts: list[Attempt] = []
+        self.cache_use: dict[str, dict[str, int]] | None = None  # what the compile caches served at load
         self.notes: list[str] = []
         self.batches = 0
         self.max_batch_requests = 0
+        self.last_batch = BatchStats()
         self.dtype = hardware.resolve_dtype(config.settings.dtype, device)
         float32_only = check_task(config.settings.task).float32_only
         if float32_only and self.dtype.value is not DType.FLOAT32:
@@ -101,8 +118,13 @@ class Engine:
         rungs = build_ladder(self.config, self.device, dtype, compile_unavailable=no_cache,
                              inductor_unavailable=hardware.cpp_compiler_problem(self.device))
         self.notes = [note for rung in rungs for note in rung.notes(self.device)]
+        cache_before = compile_cache.use_counters()
         result = run_ladder(reference, serving, dtype, rungs, batches, task_class.quality_gate(
             dtype, settings.quality_gate), run=self._task.prove)
+        self.cache_use = compile_cache.use_since(cache_before)
+        logger.info("compile cache %s: %s", self.cache.path, ", ".join(
+            f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
+            for cache, use in self.cache_use.items()))
         self.attempts = result.attempts
         self.dtype = hardware.Choice(result.dtype, self.dtype.reason if result.dtype is dtype else
                                      f"{self.dtype.reason}; no rung kept the answers in {dtype.value}")
@@ -116,6 +138,13 @@ class Engine:
     def runtime_failures(self) -> int:
         return self._guard.failures if self._guard else 0
 
+    def runtime_counters(self) -> dict[str, Any]:
+        """The serving rung and what happened after READY so far (for per-batch metrics)."""
+        guard = self._guard
+        return {"active": self.active_rung or "none", "runtime_failures": guard.failures if guard else 0,
+                "compiles_after_ready": guard.compiles if guard else 0,
+                "eager_batches": guard.eager_batches if guard else 0}
+
     def predict(self, bodies: Sequence[Any], emit: Emit | None = None) -> list[Any]:
         """One answer per body, in order: a JSON-able result, or the HandlerError for that body alone.
         ``emit`` receives streamed chunks keyed by body index, for the requests that asked to stream."""
@@ -123,6 +152,8 @@ class Engine:
             raise ModelNotReady(f"model {self.model_name} is {self.state.value}, not ready")
         answers: list[Any] = [None] * len(bodies)
         parsed: dict[int, Any] = {}
+        self.last_batch = stats = BatchStats(requests=len(bodies))
+        clock = _StageClock(stats.milliseconds)
         for index, body in enumerate(bodies):
             try:
                 parsed[index] = self._task.parse(body)
@@ -130,7 +161,9 @@ class Engine:
                 answers[index] = exc
             except Exception as exc:  # a bug reading one request must not fail its neighbours
                 answers[index] = self._request_failed(exc, "parse")
+        clock.lap("parse")
         encoded = self._preprocess(parsed, answers)
+        clock.lap("preprocess")
         if parsed:
             requests = list(parsed.values())
             body_of = list(parsed)  # request index -> body index
@@ -143,7 +176,9 @@ class Engine:
             except Exception as exc:
                 logger.exception("eager forward failed too on a batch of %d requests", len(requests))
                 raise InferenceError("inference failed for this batch") from exc
+            clock.lap("forward")
             results = self._task.postprocess(outputs, encoded, requests)
+            clock.lap("postprocess")
             if len(results) != len(requests):
                 raise InferenceError(f"task returned {len(results)} answers for {len(requests)} requests")
             for index, result in zip(parsed, results, strict=True):
@@ -179,9 +214,14 @@ class Engine:
         up to its bucket, outputs sliced back to the real rows."""
         assert self._guard is not None and self._task is not None
         outputs = []
+        mask = inputs.get("attention_mask")
+        rows, seq = next(iter(inputs.values())).shape[:2]
+        self.last_batch.real_tokens += int(mask.sum()) if mask is not None else rows * seq
         for chunk in split_rows(inputs, self.shapes.max_batch):
             rows, seq = next(iter(chunk.values())).shape[:2]
-            padded = pad_batch(chunk, self.shapes.serving_shape(rows, seq), self._task.pad_values)
+            shape = self.shapes.serving_shape(rows, seq)
+            self.last_batch.run_tokens += shape[0] * shape[1]
+            padded = pad_batch(chunk, shape, self._task.pad_values)
             outputs.append(take_rows(self._guard(**self._on_device(padded)), rows))
         return concat_rows(outputs)
 
@@ -206,7 +246,7 @@ class Engine:
             "requested_compile": self.config.served_compile.describe() if self.config.compile.enabled else None,
             "notes": self.notes,
             "shapes": self.shapes.describe(),
-            "compile_cache": self.cache.describe() if self.cache else None,
+            "compile_cache": {**self.cache.describe(), "use_at_load": self.cache_use} if self.cache else None,
             "runtime": self._guard.describe() if self._guard else None,
         }
         return {
@@ -220,3 +260,16 @@ class Engine:
             "config_warnings": list(self.config.warnings),
         }
 
+
+
+class _StageClock:
+    """Milliseconds since the previous lap, recorded under each stage's name."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into = into
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.into[stage] = round((now - self.last) * 1000, 3)
+        self.last = now

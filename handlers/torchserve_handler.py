@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.metrics.dimension import Dimension
+from ts.metrics.metric_type_enum import MetricTypes
 from ts.utils.util import PredictionException
 
 from handlers import compile_cache
@@ -73,8 +74,18 @@ class Pt2Handler(BaseHandler):
         self.device = _device(properties.get("gpu_id"))
         self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name, cache)
         self.engine.load()
+        self.context = context
+        pid = str(os.getpid())
         for attempt in self.engine.attempts:
-            _count(context, "Pt2RungAttempts", 1, Rung=attempt.rung, Status=attempt.status.value)
+            self._counter("Pt2RungAttempts", 1, Rung=attempt.rung, Status=attempt.status.value)
+            self._gauge("Pt2RungSeconds", attempt.seconds, "s", Rung=attempt.rung, Status=attempt.status.value,
+                               WorkerPid=pid)
+        self._gauge("Pt2LoadSeconds", self.engine.load_seconds or 0.0, "s", WorkerPid=pid)
+        self._gauge("Pt2ActiveRung", 1, "count", Rung=self.engine.active_rung or "none", WorkerPid=pid)
+        # Counters start at 0, so a scrape shows them (and rate() works) before the first event.
+        self._counter("Pt2RuntimeFallbacks", 0, Rung=self.engine.active_rung or "none")
+        self._counter("Pt2CompilesAfterReady", 0)
+        self._counter("Pt2EagerBatches", 0)
         self.initialized = True
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
@@ -82,7 +93,7 @@ class Pt2Handler(BaseHandler):
             return [json.dumps(self.describe_handle())]
         if self.engine is None:
             raise PredictionException(json.dumps({"code": 503, "message": "model is not loaded"}), 503)
-        failures_before = self.engine.runtime_failures
+        before = self.engine.runtime_counters()
         answers: dict[int, Any] = {}
         bodies: dict[int, Any] = {}
         for index, row in enumerate(data):
@@ -108,10 +119,33 @@ class Pt2Handler(BaseHandler):
         except HandlerError as exc:
             logger.error("batch failed: %s", exc.message, exc_info=exc.__cause__ is not None)
             raise PredictionException(json.dumps(exc.to_json()), exc.status) from exc
-        fallbacks = self.engine.runtime_failures - failures_before
-        if fallbacks:
-            _count(context, "Pt2RuntimeFallbacks", fallbacks, Rung=self.engine.active_rung or "none")
+        self._batch_metrics(before)
         return [_respond(context, index, answers[index], index in streamed) for index in range(len(data))]
+
+    def _batch_metrics(self, before: dict[str, Any]) -> None:
+        engine = self.engine
+        after = engine.runtime_counters()
+        if after["runtime_failures"] > before["runtime_failures"]:
+            self._counter("Pt2RuntimeFallbacks", after["runtime_failures"] - before["runtime_failures"],
+                            Rung=before["active"])
+        for counter, name in (("compiles_after_ready", "Pt2CompilesAfterReady"), ("eager_batches", "Pt2EagerBatches")):
+            if after[counter] > before[counter]:
+                self._counter(name, after[counter] - before[counter])
+        if after["active"] != before["active"]:  # demoted: this worker now serves another rung
+            pid = str(os.getpid())
+            self._gauge("Pt2ActiveRung", 0, "count", Rung=before["active"], WorkerPid=pid)
+            self._gauge("Pt2ActiveRung", 1, "count", Rung=after["active"], WorkerPid=pid)
+        batch = engine.last_batch
+        for stage, milliseconds in batch.milliseconds.items():
+            self._gauge("Pt2StageMilliseconds", milliseconds, "ms", Stage=stage)
+        self._gauge("Pt2BatchRequests", batch.requests, "count")
+        self._gauge("Pt2PaddingPercent", round(100 * batch.padding_ratio, 2), "percent")
+
+    def _counter(self, name: str, value: float, **dimensions: str) -> None:
+        _emit(self.context, name, value, "count", MetricTypes.COUNTER, **dimensions)
+
+    def _gauge(self, name: str, value: float, unit: str, **dimensions: str) -> None:
+        _emit(self.context, name, value, unit, MetricTypes.GAUGE, **dimensions)
 
     def describe_handle(self) -> dict[str, Any]:
         return self.engine.describe() if self.engine else {"state": "not initialized"}
@@ -145,10 +179,14 @@ def _respond(context: Any, index: int, answer: Any, streamed: bool = False) -> s
     return json.dumps(answer)
 
 
-def _count(context: Any, name: str, value: int, **dimensions: str) -> None:
-    """Metrics must never break serving: a metrics configuration that rejects a name only logs."""
+def _emit(context: Any, name: str, value: float, unit: str, kind: Any, **dimensions: str) -> None:
+    """One of pt2-handlers' metrics through TorchServe's metrics API. model_configs/metrics.yaml declares each with
+    its dimensions in this order: ours, then ModelName and Level. (A function, not a class: TorchServe requires
+    the handler file to define exactly one class.) Emitting never breaks serving: a metrics configuration that
+    rejects a metric only logs."""
     try:
         dims = [Dimension(key, val) for key, val in dimensions.items()]
-        context.metrics.add_counter(name, value, None, dims)
+        dims += [Dimension("ModelName", context.model_name), Dimension("Level", "Model")]
+        context.metrics.add_metric(name, value, unit, None, dims, kind)
     except Exception:  # noqa: BLE001
         logger.warning("could not emit metric %s", name, exc_info=True)

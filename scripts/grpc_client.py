@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -84,6 +85,29 @@ class Client:
     def predict(self, model: str, body: bytes, timeout: float = 120) -> bytes:
         request = self.modules["inference_pb2"].PredictionsRequest(model_name=model, input={"data": body})
         return self.inference.Predictions(request, metadata=self._metadata("inference"), timeout=timeout).prediction
+
+    def stream_predict(self, model: str, body: bytes, timeout: float = 300) -> Iterator[bytes]:
+        """Each message of a streamed answer as it arrives (pt2-handlers: one JSON line per token, then the
+        answer)."""
+        request = self.modules["inference_pb2"].PredictionsRequest(model_name=model, input={"data": body})
+        for message in self.inference.StreamPredictions(request, metadata=self._metadata("inference"),
+                                                        timeout=timeout):
+            yield message.prediction
+
+    def _manage(self, rpc: str, request_type: str, timeout: float, **fields: Any) -> str:
+        request = getattr(self.modules["management_pb2"], request_type)(**fields)
+        return getattr(self.management, rpc)(request, metadata=self._metadata("management"), timeout=timeout).msg
+
+    def register(self, archive: str, name: str, workers: int = 1, timeout: float = 900) -> str:
+        return self._manage("RegisterModel", "RegisterModelRequest", timeout, url=archive, model_name=name,
+                            initial_workers=workers, synchronous=True)
+
+    def scale(self, model: str, min_workers: int, max_workers: int, timeout: float = 900) -> str:
+        return self._manage("ScaleWorker", "ScaleWorkerRequest", timeout, model_name=model, min_worker=min_workers,
+                            max_worker=max_workers, synchronous=True)
+
+    def unregister(self, model: str, timeout: float = 120) -> str:
+        return self._manage("UnregisterModel", "UnregisterModelRequest", timeout, model_name=model)
 
     def describe(self, model: str, timeout: float = 60) -> Any:
         request = self.modules["management_pb2"].DescribeModelRequest(model_name=model, customized=True)

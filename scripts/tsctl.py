@@ -109,6 +109,7 @@ def start(config: Path, model_store: Path, models: list[str], run_dir: Path, tim
     ``extra_env`` goes to the server and its workers (e.g. TORCHINDUCTOR_CACHE_DIR)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tmp").mkdir(exist_ok=True)
+    config = with_absolute_paths(config, run_dir)
     server = server_for(config, run_dir)
     torchserve = str(Path(sys.executable).parent / "torchserve")
     command = [torchserve, "--start", "--ncs", "--ts-config", str(config), "--model-store", str(model_store)]
@@ -119,10 +120,31 @@ def start(config: Path, model_store: Path, models: list[str], run_dir: Path, tim
     with open(run_dir / "torchserve.out", "ab") as out:
         subprocess.run(command, cwd=run_dir, env=server_env(run_dir, extra_env), check=True, stdout=out,
                        stderr=out)
-    wait_for_key_file(server, timeout=60)
-    for name in [m.split("=", 1)[0].removesuffix(".mar") for m in models]:
-        wait_ready(server, name, timeout)
+    try:
+        wait_for_key_file(server, timeout=60)
+        for name in [m.split("=", 1)[0].removesuffix(".mar") for m in models]:
+            wait_ready(server, name, timeout)
+    except BaseException:  # a server that will not come up must not keep its ports (and workers) busy
+        stop(run_dir)
+        raise
     return server
+
+
+PATH_KEYS = ("metrics_config",)  # relative to where torchserve starts in the shipped configs: .run/
+SHIPPED_RUN_DIR = DEFAULT_RUN_DIR
+
+
+def with_absolute_paths(config: Path, run_dir: Path) -> Path:
+    """``config`` as TorchServe reads it from ``run_dir``: relative paths in it were written for .run/ (where the
+    README and scripts/start.sh start TorchServe), so a server started elsewhere gets a copy with them absolute."""
+    text = config.read_text()
+    absolute = re.sub(rf"^({'|'.join(PATH_KEYS)})=(?!/)(.+)$",
+                      lambda m: f"{m[1]}={(SHIPPED_RUN_DIR / m[2].strip()).resolve()}", text, flags=re.MULTILINE)
+    if absolute == text:
+        return config
+    path = run_dir / f"effective-{config.name}"
+    path.write_text(absolute)
+    return path
 
 
 def wait_for_key_file(server: Server, timeout: float) -> None:
@@ -171,15 +193,27 @@ def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> Non
         time.sleep(1)
 
 
+CRASHES_BEFORE_GIVING_UP = 3  # a worker that dies while loading this often will not come up by itself
+
+
 def load_failure(log: Path, offset: int, name: str) -> str | None:
-    """The reason pt2-handlers logged for ``name`` failing to load, since ``offset``; None if it has not."""
+    """Why ``name`` cannot load, from the model log since ``offset``: the reason pt2-handlers logged, or the last
+    error line of a worker that died loading it (e.g. importing the handler) CRASHES_BEFORE_GIVING_UP times."""
     marker = f"model {name} failed to load: "
     if not log.is_file():
         return None
     with log.open("rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
-    return next((line.split(marker, 1)[1].strip() for line in text.splitlines() if marker in line), None)
+    lines = [line for line in text.splitlines() if f"-{name}_" in line or marker in line]
+    reason = next((line.split(marker, 1)[1].strip() for line in lines if marker in line), None)
+    if reason:
+        return reason
+    crashes = [line for line in lines if "MODEL_LOG - Traceback (most recent call last)" in line]
+    errors = [line.split("MODEL_LOG - ", 1)[1] for line in lines
+              if re.search(r"MODEL_LOG - \w+(\.\w+)*(Error|Exception): ", line)]
+    return f"the worker died {len(crashes)} times: {errors[-1]}" if len(crashes) >= CRASHES_BEFORE_GIVING_UP \
+        and errors else None
 
 
 def last_rung_line(log: Path, offset: int) -> str:

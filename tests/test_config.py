@@ -256,3 +256,23 @@ def test_every_shipped_model_yaml_loads(name):
 
     config = load_config(yaml.safe_load((MODEL_CONFIGS / name).read_text()))
     assert config.compile.enabled and config.settings.task == name.removeprefix("minilm-").removesuffix(".yaml")
+
+
+def test_the_grafana_dashboard_uses_only_declared_metrics():
+    """deploy/grafana-dashboard.json queries exactly the names model_configs/metrics.yaml declares (and
+    TorchServe's own), so a renamed metric breaks this test, not the dashboard."""
+    import json
+    import re
+
+    import yaml
+
+    repo = Path(__file__).resolve().parent.parent
+    declared = yaml.safe_load((repo / "model_configs" / "metrics.yaml").read_text())
+    names = {metric["name"] for section in ("ts_metrics", "model_metrics") for kind in declared[section].values()
+             for metric in kind}
+    dashboard = json.loads((repo / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\b((?:Pt2|ts_)\w+)\b", expr)}
+    assert used and used <= names, used - names
+    pt2 = {name for name in names if name.startswith("Pt2")}
+    assert pt2 <= used, f"metrics not on the dashboard: {pt2 - used}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -259,18 +260,76 @@ def test_static_buckets_and_an_unusable_compile_cache(server, reference):
     assert server.management("DELETE", "/models/minilm-buckets")[0] == 200
 
 
-def test_scale_to_two_workers_and_answers_stay_correct(server, reference):
-    status, body = server.management("PUT", "/models/minilm?min_worker=2&max_worker=2&synchronous=true",
-                                     timeout=900)
-    assert status == 200, body
-    tsctl.wait_ready(server, "minilm", timeout=900, count=2)
-    workers = describe(server)["workers"]
-    assert len(workers) == 2 and {w["status"] for w in workers} == {"READY"}
-    want = reference(TEXTS)
-    for index, text in enumerate(TEXTS):
-        status, answer = predict(server, {"text": text})
-        assert status == 200
-        assert_close_embeddings(answer["embedding"], want[index])
+def manage(server, *args: str) -> str:
+    """scripts/manage.py against this server, as a user runs it."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "manage.py"), "--config",
+                           str(shifted_config_path(server)), "--run-dir", str(server.run_dir), *args],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_compile_cache(server, reference):
+    """scripts/manage.py scales minilm to 3 workers and back while clients keep sending. Scaling up fails no
+    request; each new worker proves its rung (the model log's READY line per worker) and loads its graphs from the
+    compile cache (hits, no misses). Scaling down: TorchServe 0.12 disconnects a removed worker at once, even
+    mid-batch (pytorch/serve#1101), so a request in flight there may get its 500 "Worker died." - never a wrong
+    answer - and the requests after it succeed."""
+    want = reference(TEXTS[:4])
+    first = {w["id"] for w in describe(server)["workers"]}
+    log = server.run_dir / "logs" / "model_log.log"
+    offset = log.stat().st_size
+    results: list[tuple[str, int, int, object]] = []  # phase, text index, status, answer
+    phase = ["up"]
+    stop = threading.Event()
+
+    def trickle(client: int) -> None:
+        while not stop.is_set():
+            index, started_in = (client + len(results)) % 4, phase[0]
+            status, answer = predict(server, {"text": TEXTS[index]})
+            results.append((started_in if started_in == phase[0] else "down", index, status, answer))
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=trickle, args=(client,)) for client in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        manage(server, "scale", "minilm", "--min", "3", "--max", "3", "--wait")
+        workers = describe(server)["workers"]
+        assert len(workers) == 3 and {w["status"] for w in workers} == {"READY"}, workers
+        shown = manage(server, "describe", "minilm")
+        assert shown.count(" READY, ") == 3 and "serving: rung compile" in shown, shown
+        phase[0] = "down"
+        manage(server, "scale", "minilm", "--min", "1", "--max", "1")
+        deadline = time.monotonic() + 120
+        while len(describe(server)["workers"]) != 1:
+            assert time.monotonic() < deadline, describe(server)["workers"]
+            time.sleep(0.5)
+        phase[0] = "after"
+        time.sleep(1)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+    for step in ("up", "after"):
+        step_results = [(status, answer) for started, _, status, answer in results if started == step]
+        assert step_results and all(status == 200 for status, _ in step_results), (step, step_results[:3])
+    dropped = [answer for started, _, status, answer in results if status != 200]
+    assert all(a == {"code": 500, "type": "InternalServerException", "message": "Worker died."} for a in dropped)
+    print(f"{len(results)} requests while scaling 1 -> 3 -> 1; {len(dropped)} dropped by the scale-down")
+    for _, index, status, answer in results:
+        if status == 200:
+            assert_close_embeddings(answer["embedding"], want[index])
+    text = log.read_text(errors="replace")[offset:]
+    new = {w["id"] for w in workers} - first
+    assert len(new) == 2
+    for worker_id in new:
+        lines = [line for line in text.splitlines() if f"W-{worker_id}-minilm" in line]
+        ready = [line for line in lines if "model minilm READY on rung compile" in line]
+        use = [line for line in lines if "compile cache " in line and "fx_graph" in line]
+        assert ready and use, lines[-20:]
+        fx_graph = re.search(r"fx_graph (\d+) hit / (\d+) missed", use[-1])
+        assert int(fx_graph[1]) > 0 and int(fx_graph[2]) == 0, use[-1]
 
 
 def test_a_compile_that_fails_at_first_forward_still_serves_every_request(server, reference):
@@ -529,6 +588,109 @@ def test_every_kind_of_bad_request_fails_alone_and_the_worker_stays_up(server, m
     print(f"{model} ({report['task']}): {len(kinds)} kinds of hostile request: {kinds}")
     assert not report["problems"], "\n".join(report["problems"])
     assert len(kinds) >= 17 and {o.status for o in report["outcomes"]} >= {400, 413, 200}
+
+
+def grpc_client_for(server):
+    import grpc_client
+
+    return grpc_client.Client.for_server(shifted_config_path(server), server.run_dir)
+
+
+@pytest.mark.default_profile
+def test_grpc_predictions_equal_rest_for_every_body_shape(server):
+    from hostile_inputs import close
+
+    bodies = [TEXTS[0].encode(), json.dumps({"text": TEXTS[1]}).encode(), json.dumps({"inputs": TEXTS[:3]}).encode(),
+              json.dumps(TEXTS[2:4]).encode(), json.dumps({"input": TEXTS[:2], "model": "minilm"}).encode()]
+    client = grpc_client_for(server)
+    try:
+        for body in bodies:
+            over_grpc = json.loads(client.predict("minilm", body))
+            content_type = "application/json" if body.startswith((b"{", b"[")) else "text/plain"
+            status, over_rest = predict(server, body, content_type)
+            assert status == 200 and close(over_grpc, over_rest, 1e-5), (body, over_grpc, over_rest)
+    finally:
+        client.close()
+
+
+@pytest.mark.default_profile
+def test_grpc_management_registers_scales_describes_and_unregisters(server, reference):
+    client = grpc_client_for(server)
+    try:
+        assert "registered" in client.register("minilm-wrong.mar", "over-grpc")
+        assert "scaled to 2" in client.scale("over-grpc", 2, 2)
+        (entry,) = client.describe("over-grpc")
+        assert [w["status"] for w in entry["workers"]] == ["READY", "READY"]
+        meta = entry["customizedMetadata"]
+        meta = json.loads(meta) if isinstance(meta, str) else meta
+        assert meta["optimization"]["active"] == "eager" and meta["optimization"]["attempts"][0]["status"] == "failed"
+        answer = json.loads(client.predict("over-grpc", json.dumps({"text": TEXTS[0]}).encode()))
+        assert_close_embeddings(answer["embedding"], reference(TEXTS[:1])[0])
+        assert "unregistered" in client.unregister("over-grpc").lower()
+        assert server.management("GET", "/models/over-grpc")[0] == 404
+    finally:
+        client.close()
+
+
+@pytest.mark.default_profile
+def test_grpc_streams_generated_tokens(server):
+    registered(server, "tiny-llama", metric="greedy_token_agreement")
+    body = {"text": "Once upon a time", "max_new_tokens": 12, "stream": True, "details": True}
+    client = grpc_client_for(server)
+    try:
+        messages = [json.loads(line) for raw in client.stream_predict("tiny-llama", json.dumps(body).encode())
+                    for line in raw.decode().splitlines() if line.strip()]
+    finally:
+        client.close()
+    *chunks, final = messages
+    status, plain = predict(server, {**body, "stream": False}, model="tiny-llama")
+    assert status == 200 and final == plain
+    assert len(chunks) == 12 and [c["token_id"] for c in chunks] == plain[0]["details"]["token_ids"]
+    assert body["text"] + "".join(c["text"] for c in chunks) == plain[0]["generated_text"]
+
+
+def scrape(server) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The Prometheus text on the metrics port, as {metric: [(labels, value)]}."""
+    status, raw = server.call("GET", f"{server.metrics_url}/metrics", None)
+    assert status == 200
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in raw.decode().splitlines():
+        match = re.match(r"^(\w+)\{(.*)\}\s+(\S+)$", line)
+        if match:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match[2]))
+            samples.setdefault(match[1], []).append((labels, float(match[3])))
+    return samples
+
+
+@pytest.mark.default_profile
+def test_prometheus_metrics_show_the_ladder_and_each_batch(server):
+    """model_configs/metrics.yaml declares pt2-handlers' metrics; TorchServe exposes them in Prometheus mode."""
+    for text in TEXTS[:3]:
+        assert predict(server, {"text": text})[0] == 200
+    metrics = scrape(server)
+
+    def of(name: str, model: str = "minilm") -> list[tuple[dict[str, str], float]]:
+        return [(labels, value) for labels, value in metrics.get(name, []) if labels.get("ModelName") == model]
+
+    pids = {str(w["pid"]) for w in describe(server)["workers"]}
+    active = {labels["WorkerPid"]: labels["Rung"] for labels, value in of("Pt2ActiveRung") if value == 1}
+    assert pids <= active.keys() and {active[pid] for pid in pids} == {"compile"}, (pids, active)
+    assert any(labels["Rung"] == "compile" and labels["Status"] == "accepted" and value >= 1
+               for labels, value in of("Pt2RungAttempts"))
+    assert any(labels["Rung"] == "compile" and value > 0 for labels, value in of("Pt2RungSeconds"))
+    assert all(value > 0 for _, value in of("Pt2LoadSeconds")) and of("Pt2LoadSeconds")
+    stages = {labels["Stage"]: value for labels, value in of("Pt2StageMilliseconds")}
+    assert stages.keys() == {"parse", "preprocess", "forward", "postprocess"} and stages["forward"] > 0, stages
+    assert [value for _, value in of("Pt2BatchRequests")][0] >= 1
+    assert 0 <= [value for _, value in of("Pt2PaddingPercent")][0] < 100
+    for counter in ("Pt2RuntimeFallbacks", "Pt2CompilesAfterReady", "Pt2EagerBatches"):
+        assert [value for _, value in of(counter)] == [0.0], (counter, of(counter))
+    demoted = of("Pt2RuntimeFallbacks", "minilm-breaks")  # present when the demotion test ran before this one
+    if demoted:
+        assert sum(value for _, value in demoted) == 2 and any(
+            labels["Rung"] == "eager" and value == 1 for labels, value in of("Pt2ActiveRung", "minilm-breaks"))
+    keys = [server.key(kind) for kind in ("inference", "management")]
+    assert not any(key in json.dumps(metrics) for key in keys)
 
 
 def test_unregister(server):

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Manage models on a running TorchServe through its management API, with the key read from key_file.json.
+
+  .venv/bin/python scripts/manage.py list
+  .venv/bin/python scripts/manage.py register minilm.mar [--name minilm] [--workers 1]
+  .venv/bin/python scripts/manage.py scale minilm --min 1 --max 3 [--wait]
+  .venv/bin/python scripts/manage.py describe minilm [--json]    # the ladder, rung attempts, workers
+  .venv/bin/python scripts/manage.py default minilm 2.0          # the version /predictions/minilm serves
+  .venv/bin/python scripts/manage.py unregister minilm [--version 1.0]
+
+--config and --run-dir name the server (default: the one scripts/start.sh started). A failing call exits 1 and
+prints TorchServe's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tsctl  # noqa: E402
+
+
+class ManagementError(RuntimeError):
+    pass
+
+
+def call(server: tsctl.Server, method: str, path: str, timeout: float = 120) -> Any:
+    status, body = server.management(method, path, timeout=timeout)
+    if status >= 400:
+        raise ManagementError(f"{method} {path}: {status} {body.decode(errors='replace').strip()}")
+    return json.loads(body) if body.strip() else None
+
+
+def register(server: tsctl.Server, archive: str, name: str | None = None, workers: int = 1,
+             timeout: float = 900) -> Any:
+    query = {"url": archive, "initial_workers": workers, "synchronous": "true"}
+    if name:
+        query["model_name"] = name
+    return call(server, "POST", f"/models?{urlencode(query)}", timeout=timeout)
+
+
+def scale(server: tsctl.Server, name: str, min_workers: int, max_workers: int, wait: bool = False,
+          timeout: float = 900) -> Any:
+    query = urlencode({"min_worker": min_workers, "max_worker": max_workers, "synchronous": str(wait).lower()})
+    answer = call(server, "PUT", f"/models/{quote(name)}?{query}", timeout=timeout)
+    if wait:
+        tsctl.wait_ready(server, name, timeout, count=min_workers)
+    return answer
+
+
+def describe(server: tsctl.Server, name: str) -> list[dict[str, Any]]:
+    return call(server, "GET", f"/models/{quote(name)}?customized=true")
+
+
+def format_description(entries: list[dict[str, Any]]) -> str:
+    """TorchServe's describe with pt2-handlers' metadata, for a person: per version, its workers, the ladder's
+    attempts and what serves now."""
+    lines = []
+    for entry in entries:
+        meta = entry.get("customizedMetadata") or {}
+        if isinstance(meta, str):
+            meta = json.loads(meta)
+        default = " (default)" if entry.get("defaultVersion") else ""
+        lines.append(f"{entry['modelName']} {entry['modelVersion']}{default}: task {meta.get('task', '?')}, "
+                     f"state {meta.get('state', '?')}, batchSize {entry.get('batchSize')}, "
+                     f"maxBatchDelay {entry.get('maxBatchDelay')} ms, workers {entry.get('minWorkers')}.."
+                     f"{entry.get('maxWorkers')}")
+        for worker in entry.get("workers", []):
+            lines.append(f"  worker {worker['id']}: pid {worker['pid']} {worker['status']}")
+        lines += _optimization_lines(meta.get("optimization") or {})
+        if meta.get("failure"):
+            lines.append(f"  failure: {meta['failure']}")
+    return "\n".join(lines)
+
+
+def _optimization_lines(optimization: dict[str, Any]) -> list[str]:
+    if not optimization:
+        return ["  (no pt2-handlers metadata: not a pt2-handlers model, or no worker answered)"]
+    lines = [f"  serving: rung {optimization.get('active')} in {optimization.get('dtype')} on "
+             f"{optimization.get('device')} ({optimization.get('dtype_reason')}), "
+             f"{optimization.get('threads', {}).get('intra_op')} threads"]
+    for attempt in optimization.get("attempts", []):
+        quality = attempt.get("quality") or {}
+        gate = (f", {quality['metric']} {quality['value']:.6g} (needs >= {quality['threshold']:.6g})"
+                if "value" in quality else "")
+        reason = f": {attempt['reason']}" if attempt.get("reason") else ""
+        lines.append(f"    {attempt['rung']:<13} {attempt['status']:<9} {attempt.get('seconds', 0):7.1f}s"
+                     f"{gate}{reason}")
+    runtime = optimization.get("runtime") or {}
+    if runtime:
+        lines.append(f"  after READY: {runtime.get('runtime_failures')} fallbacks (demote after "
+                     f"{runtime.get('max_runtime_failures')}{', DEMOTED' if runtime.get('demoted') else ''}), "
+                     f"{runtime.get('compiles_after_ready')} compiles, {runtime.get('eager_batches')} eager batches "
+                     f"(stance {runtime.get('after_ready')})")
+    cache = optimization.get("compile_cache") or {}
+    if cache:
+        use = ", ".join(f"{name} {counts['hit']} hit / {counts['miss']} missed"
+                        for name, counts in (cache.get("use_at_load") or {}).items())
+        lines.append(f"  compile cache: {cache.get('dir')} ({cache.get('source')}){'; at load: ' + use if use else ''}"
+                     f"{'; ' + cache['warning'] if cache.get('warning') else ''}")
+    lines += [f"  note: {note}" for note in optimization.get("notes", [])]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=tsctl.DEFAULT_CONFIG)
+    parser.add_argument("--run-dir", type=Path, default=tsctl.DEFAULT_RUN_DIR)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="registered models")
+    p = sub.add_parser("register", help="register an archive from the model store (waits until READY)")
+    p.add_argument("archive", help="a .mar in the server's model store, e.g. minilm.mar")
+    p.add_argument("--name")
+    p.add_argument("--workers", type=int, default=1)
+    p = sub.add_parser("scale", help="set min/max workers")
+    p.add_argument("name")
+    p.add_argument("--min", type=int, required=True, dest="min_workers")
+    p.add_argument("--max", type=int, required=True, dest="max_workers")
+    p.add_argument("--wait", action="store_true", help="wait until --min workers are READY")
+    p = sub.add_parser("describe", help="workers and the optimization ladder")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("default", help="set the version /predictions/NAME serves")
+    p.add_argument("name")
+    p.add_argument("version")
+    p = sub.add_parser("unregister")
+    p.add_argument("name")
+    p.add_argument("--version")
+    args = parser.parse_args()
+    server = tsctl.server_for(args.config, args.run_dir.resolve())
+    try:
+        if args.command == "describe":
+            entries = describe(server, args.name)
+            print(json.dumps(entries, indent=2) if args.json else format_description(entries))
+            return
+        answer = {
+            "list": lambda: call(server, "GET", "/models"),
+            "register": lambda: register(server, args.archive, args.name, args.workers),
+            "scale": lambda: scale(server, args.name, args.min_workers, args.max_workers, args.wait),
+            "default": lambda: call(server, "PUT", f"/models/{quote(args.name)}/{quote(args.version)}/set-default"),
+            "unregister": lambda: call(server, "DELETE", f"/models/{quote(args.name)}"
+                                       + (f"/{quote(args.version)}" if args.version else "")),
+        }[args.command]()
+    except ManagementError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(answer, indent=2))
+
+
+if __name__ == "__main__":
+    main()
