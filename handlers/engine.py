@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from handlers import compile_cache, hardware
+from handlers import compile_cache, hardware, open_inference
 from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady
@@ -24,7 +24,7 @@ from handlers.ladder import Attempt, GuardedForward, build_ladder, run_ladder, s
 from handlers.modeling import load_pretrained, resolve_max_length
 from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
 from handlers.tasks import Task, check_task
-from handlers.tasks.base import Emit
+from handlers.tasks.base import Emit, decode_body
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +53,14 @@ class Engine:
     """One model: ``load()`` once, then ``predict(bodies)`` per batch, ``describe()`` any time."""
 
     def __init__(self, config: HandlerConfig, model_root: Path, device: torch.device, model_name: str,
-                 cache: CacheDir | None = None):
+                 cache: CacheDir | None = None, model_version: str | None = None):
         """``cache``: the compile cache already prepared by the caller (the TorchServe adapter does so before
         the config is validated); None prepares the configured one at load."""
         self.config = config
         self.model_root = Path(model_root)
         self.device = device
         self.model_name = model_name
+        self.model_version = model_version
         self.cache = cache
         self.state = State.LOADING
         self.failure: str | None = None
@@ -147,20 +148,15 @@ class Engine:
 
     def predict(self, bodies: Sequence[Any], emit: Emit | None = None) -> list[Any]:
         """One answer per body, in order: a JSON-able result, or the HandlerError for that body alone.
-        ``emit`` receives streamed chunks keyed by body index, for the requests that asked to stream."""
+        ``emit`` receives streamed chunks keyed by body index, for the requests that asked to stream. An Open
+        Inference (KServe v2) body is read as the task body it maps to, and answered in the protocol's shape."""
         if self.state is not State.READY or self._task is None or self._guard is None:
             raise ModelNotReady(f"model {self.model_name} is {self.state.value}, not ready")
         answers: list[Any] = [None] * len(bodies)
-        parsed: dict[int, Any] = {}
         self.last_batch = stats = BatchStats(requests=len(bodies))
         clock = _StageClock(stats.milliseconds)
-        for index, body in enumerate(bodies):
-            try:
-                parsed[index] = self._task.parse(body)
-            except HandlerError as exc:
-                answers[index] = exc
-            except Exception as exc:  # a bug reading one request must not fail its neighbours
-                answers[index] = self._request_failed(exc, "parse")
+        v2: dict[int, tuple[open_inference.InferRequest, Any] | None] = {}  # body index -> request, task body
+        parsed = self._parse(bodies, answers, v2)
         clock.lap("parse")
         encoded = self._preprocess(parsed, answers)
         clock.lap("preprocess")
@@ -183,9 +179,44 @@ class Engine:
                 raise InferenceError(f"task returned {len(results)} answers for {len(requests)} requests")
             for index, result in zip(parsed, results, strict=True):
                 answers[index] = result
+        for index, pending in v2.items():
+            answers[index] = self._open_inference_answer(answers[index], pending)
         self.batches += 1
         self.max_batch_requests = max(self.max_batch_requests, len(bodies))
         return answers
+
+    def _parse(self, bodies: Sequence[Any], answers: list[Any],
+               v2: dict[int, tuple[open_inference.InferRequest, Any] | None]) -> dict[int, Any]:
+        """Each body read on its own (body index -> request); a failure becomes that body's answer. v2 bodies are
+        noted in ``v2`` (None where the v2 body itself is invalid)."""
+        parsed: dict[int, Any] = {}
+        for index, body in enumerate(bodies):
+            try:
+                body = decode_body(body)
+                if open_inference.is_request(body):
+                    v2[index] = None
+                    request = open_inference.parse_request(body)
+                    body = self._task.from_open_inference(request.texts, request.parameters)
+                    v2[index] = (request, body)
+                parsed[index] = self._task.parse(body)
+            except HandlerError as exc:
+                answers[index] = exc
+            except Exception as exc:  # a bug reading one request must not fail its neighbours
+                answers[index] = self._request_failed(exc, "parse")
+        return parsed
+
+    def _open_inference_answer(self, answer: Any, pending: tuple[open_inference.InferRequest, Any] | None) -> Any:
+        """A v2 request's answer as the protocol's response, or its error as ``{"error": ...}``."""
+        if pending is not None and not isinstance(answer, HandlerError):
+            request, body = pending
+            try:
+                answer = open_inference.response(request, self._task.to_open_inference(answer, body),
+                                                 self.model_name, self.model_version)
+            except HandlerError as exc:
+                answer = exc
+            except Exception as exc:  # a bug formatting one answer must not fail its neighbours
+                answer = self._request_failed(exc, "format")
+        return open_inference.OpenInferenceError(answer) if isinstance(answer, HandlerError) else answer
 
     def _preprocess(self, parsed: dict[int, Any], answers: list[Any]) -> Any:
         """The parsed requests collated into one batch. If collating fails, each request is tried alone: the ones

@@ -72,7 +72,8 @@ class Pt2Handler(BaseHandler):
             logger.error("model %s failed to load: invalid model YAML: %s", context.model_name, exc.message)
             raise
         self.device = _device(properties.get("gpu_id"))
-        self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name, cache)
+        version = (getattr(context, "manifest", None) or {}).get("model", {}).get("modelVersion")
+        self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name, cache, version)
         self.engine.load()
         self.context = context
         pid = str(os.getpid())
@@ -160,6 +161,10 @@ def _device(gpu_id: int | None) -> torch.device:
 def _body(row: dict[str, Any]) -> Any:
     # TorchServe names a raw body "body" and a form field "data". A form-encoded body (curl -d without
     # a Content-Type) arrives as fields named after the text, or as nothing at all.
+    if "datatype" in row and "shape" in row:  # one tensor, unwrapped by TorchServe's v2 envelope
+        raise InvalidInput("this request was unwrapped by TorchServe's service_envelope=kservev2, which reads only "
+                           "the first request of a batch and the first string of each input; remove "
+                           "service_envelope: pt2-handlers reads Open Inference (KServe v2) bodies itself")
     for name in ("body", "data"):
         if name in row:
             return row[name]

@@ -26,11 +26,12 @@ sys.path.insert(0, str(SCRIPTS))
 
 import tsctl  # noqa: E402
 
-PROTOS = ("inference.proto", "management.proto")
+PROTOS = ("inference.proto", "management.proto", "open_inference_grpc.proto")
+MODULES = tuple(f"{name.removesuffix('.proto')}{suffix}" for name in PROTOS for suffix in ("_pb2", "_pb2_grpc"))
 
 
 def stubs(cache: Path | None = None) -> dict[str, ModuleType]:
-    """inference_pb2, inference_pb2_grpc, management_pb2, management_pb2_grpc: generated once per TorchServe
+    """inference_pb2(_grpc), management_pb2(_grpc), open_inference_grpc_pb2(_grpc): generated once per TorchServe
     version into ``cache`` (default ~/.cache/pt2-handlers/grpc-stubs-<version>) and imported."""
     import google.rpc
     import grpc_tools
@@ -54,8 +55,7 @@ def stubs(cache: Path | None = None) -> dict[str, ModuleType]:
             raise RuntimeError(f"grpc_tools.protoc failed on {PROTOS} from {jar}")
     if str(out) not in sys.path:
         sys.path.insert(0, str(out))
-    return {name: importlib.import_module(name) for name in
-            ("inference_pb2", "inference_pb2_grpc", "management_pb2", "management_pb2_grpc")}
+    return {name: importlib.import_module(name) for name in MODULES}
 
 
 class Client:
@@ -70,6 +70,8 @@ class Client:
         self._channels = [grpc.insecure_channel(f"{host}:{port}") for port in (inference_port, management_port)]
         self.inference = self.modules["inference_pb2_grpc"].InferenceAPIsServiceStub(self._channels[0])
         self.management = self.modules["management_pb2_grpc"].ManagementAPIsServiceStub(self._channels[1])
+        # Open Inference Protocol (KServe v2) over gRPC: on the inference port when ts_open_inference_protocol=true.
+        self.open_inference = self.modules["open_inference_grpc_pb2_grpc"].GRPCInferenceServiceStub(self._channels[0])
 
     @classmethod
     def for_server(cls, config: Path, run_dir: Path, key: Any = None) -> Client:
@@ -94,6 +96,22 @@ class Client:
                                                         timeout=timeout):
             yield message.prediction
 
+    def model_infer(self, model: str, texts: dict[str, list[str]], request_id: str = "",
+                    timeout: float = 120) -> dict[str, dict[str, Any]]:
+        """A v2 ModelInfer with one BYTES tensor per input name; the outputs as {name: {shape, datatype, data}}."""
+        pb2 = self.modules["open_inference_grpc_pb2"]
+        inputs = [pb2.ModelInferRequest.InferInputTensor(
+            name=name, datatype="BYTES", shape=[len(values)],
+            contents=pb2.InferTensorContents(bytes_contents=[value.encode() for value in values]))
+            for name, values in texts.items()]
+        answer = self.open_inference.ModelInfer(pb2.ModelInferRequest(model_name=model, id=request_id, inputs=inputs),
+                                                metadata=self._metadata("inference"), timeout=timeout)
+        contents = {"BYTES": "bytes_contents", "FP32": "fp32_contents", "INT64": "int64_contents",
+                    "BOOL": "bool_contents"}
+        return {output.name: {"shape": list(output.shape), "datatype": output.datatype,
+                              "data": _values(output.datatype, getattr(output.contents, contents[output.datatype]))}
+                for output in answer.outputs}
+
     def _manage(self, rpc: str, request_type: str, timeout: float, **fields: Any) -> str:
         request = getattr(self.modules["management_pb2"], request_type)(**fields)
         return getattr(self.management, rpc)(request, metadata=self._metadata("management"), timeout=timeout).msg
@@ -117,6 +135,14 @@ class Client:
     def close(self) -> None:
         for channel in self._channels:
             channel.close()
+
+
+def _values(datatype: str, contents: Any) -> list[Any]:
+    """A tensor's elements. TorchServe's gRPC bridge writes each BYTES element as JSON text (a string arrives in
+    quotes), so BYTES elements are read back as JSON."""
+    if datatype == "BYTES":
+        return [json.loads(value.decode("utf-8")) for value in contents]
+    return list(contents)
 
 
 def main() -> None:

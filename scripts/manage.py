@@ -7,6 +7,7 @@
   .venv/bin/python scripts/manage.py describe minilm [--json]    # the ladder, rung attempts, workers
   .venv/bin/python scripts/manage.py default minilm 2.0          # the version /predictions/minilm serves
   .venv/bin/python scripts/manage.py unregister minilm [--version 1.0]
+  .venv/bin/python scripts/manage.py ready minilm                # exit 0 once a worker is READY (a k8s probe)
 
 --config and --run-dir name the server (default: the one scripts/start.sh started). A failing call exits 1 and
 prints TorchServe's error.
@@ -52,6 +53,18 @@ def scale(server: tsctl.Server, name: str, min_workers: int, max_workers: int, w
     if wait:
         tsctl.wait_ready(server, name, timeout, count=min_workers)
     return answer
+
+
+def ready(server: tsctl.Server, name: str) -> str:
+    """What a readiness probe needs: the model has a READY worker (its ladder ran and a rung was proven). Not the
+    customized describe: that one asks a worker, which may be busy with a batch."""
+    entries = call(server, "GET", f"/models/{quote(name)}", timeout=5)
+    workers = [worker for entry in entries for worker in entry.get("workers", [])]
+    count = sum(worker.get("status") == "READY" for worker in workers)
+    summary = f"{name}: {count}/{len(workers)} workers READY"
+    if not count:
+        raise ManagementError(summary)
+    return summary
 
 
 def describe(server: tsctl.Server, name: str) -> list[dict[str, Any]]:
@@ -132,9 +145,14 @@ def main() -> None:
     p = sub.add_parser("unregister")
     p.add_argument("name")
     p.add_argument("--version")
+    p = sub.add_parser("ready", help="exit 0 if the model has a READY worker, 1 otherwise (a readiness probe)")
+    p.add_argument("name")
     args = parser.parse_args()
     server = tsctl.server_for(args.config, args.run_dir.resolve())
     try:
+        if args.command == "ready":
+            print(ready(server, args.name))
+            return
         if args.command == "describe":
             entries = describe(server, args.name)
             print(json.dumps(entries, indent=2) if args.json else format_description(entries))
@@ -147,7 +165,7 @@ def main() -> None:
             "unregister": lambda: call(server, "DELETE", f"/models/{quote(args.name)}"
                                        + (f"/{quote(args.version)}" if args.version else "")),
         }[args.command]()
-    except ManagementError as exc:
+    except (ManagementError, OSError) as exc:  # OSError: the server is not (yet) listening
         print(exc, file=sys.stderr)
         sys.exit(1)
     print(json.dumps(answer, indent=2))

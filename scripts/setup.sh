@@ -50,8 +50,8 @@ case "$PROFILE" in
       echo "[setup] installing torch==2.13.0 (CPU)"
       pip_in "$VENV" install torch==2.13.0
     fi
-    echo "[setup] installing pt2-handlers dependencies (.[cpu,test,grpc])"
-    pip_in "$VENV" install ".[cpu,test,grpc]"
+    echo "[setup] installing pt2-handlers dependencies (.[cpu,test,grpc,deploy])"
+    pip_in "$VENV" install ".[cpu,test,grpc,deploy]"
     pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
     command -v java >/dev/null || { echo "[setup] TorchServe needs Java 17 (apt-get install openjdk-17-jre-headless)"; exit 1; }
     report "$VENV"

@@ -33,21 +33,23 @@ class Server:
     inference_url: str
     management_url: str
     metrics_url: str
+    token_auth: bool = True  # False where the config sets disable_token_authorization=true (deploy/k8s: a proxy checks)
 
     @property
     def key_file(self) -> Path:
         return self.run_dir / "key_file.json"
 
-    def key(self, kind: str) -> str:
-        """``kind``: "inference" or "management"."""
-        return json.loads(self.key_file.read_text())[kind]["key"]
+    def key(self, kind: str) -> str | None:
+        """``kind``: "inference" or "management"; None where the server checks no token."""
+        return json.loads(self.key_file.read_text())[kind]["key"] if self.token_auth else None
 
     def call(self, method: str, url: str, key_kind: str | None, body: bytes | None = None,
              content_type: str | None = None, timeout: float = 120) -> tuple[int, bytes]:
         """One HTTP call; returns (status, body) for any status."""
         req = request.Request(url, data=body, method=method)
-        if key_kind is not None:
-            req.add_header("Authorization", f"Bearer {self.key(key_kind)}")
+        key = None if key_kind is None else self.key(key_kind)
+        if key is not None:
+            req.add_header("Authorization", f"Bearer {key}")
         if content_type is not None:
             req.add_header("Content-Type", content_type)
         try:
@@ -77,6 +79,7 @@ def server_for(config: Path, run_dir: Path) -> Server:
         inference_url=props.get("inference_address", "http://127.0.0.1:8080"),
         management_url=props.get("management_address", "http://127.0.0.1:8081"),
         metrics_url=props.get("metrics_address", "http://127.0.0.1:8082"),
+        token_auth=props.get("disable_token_authorization", "false").strip().lower() != "true",
     )
 
 

@@ -70,6 +70,9 @@ def test_every_api_refuses_a_missing_or_wrong_key(production, key):
     """Inference, management and the token API each refuse no key, a wrong key, and the other API's key."""
     calls = [("POST", f"{production.inference_url}/predictions/minilm", "inference", b'{"text": "hi"}'),
              ("GET", f"{production.inference_url}/ping", "inference", None),
+             ("POST", f"{production.inference_url}/v2/models/minilm/infer", "inference",
+              b'{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}'),
+             ("GET", f"{production.inference_url}/v2/health/ready", "inference", None),
              ("GET", f"{production.management_url}/models", "management", None),
              ("GET", f"{production.management_url}/models/minilm?customized=true", "management", None),
              ("PUT", f"{production.management_url}/models/minilm?min_worker=1", "management", None)]

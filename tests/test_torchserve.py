@@ -650,6 +650,98 @@ def test_grpc_streams_generated_tokens(server):
     assert body["text"] + "".join(c["text"] for c in chunks) == plain[0]["generated_text"]
 
 
+def infer_v2(server, model: str, body: dict, key: str | None = "inference") -> tuple[int, dict]:
+    """POST /v2/models/MODEL/infer, as a KServe (Open Inference Protocol) client sends it."""
+    status, raw = server.call("POST", f"{server.inference_url}/v2/models/{model}/infer", key, json.dumps(body).encode(),
+                              "application/json")
+    return status, json.loads(raw)
+
+
+def kserve_request(request_id: str, parameters: dict | None = None, **inputs: list[str]) -> dict:
+    """A v2 request as KServe's InferRequest.to_rest() writes one: BYTES tensors with a content_type."""
+    body: dict = {"id": request_id, "inputs": [
+        {"name": name, "shape": [len(texts)], "datatype": "BYTES", "data": texts, "parameters": {"content_type": "str"}}
+        for name, texts in inputs.items()]}
+    if parameters:
+        body["parameters"] = parameters
+    return body
+
+
+def test_open_inference_requests_are_batched_with_native_ones_and_answered_in_kind(server, reference):
+    bodies = [kserve_request(f"r{i}", text=TEXTS[i:i + 2]) if i % 2 else {"inputs": TEXTS[i:i + 2]} for i in range(4)]
+    bad = kserve_request("bad", text=[])
+    bad["inputs"][0]["shape"] = [2]
+    answers = concurrently(server, [*bodies, bad])
+    for index, (status, answer) in enumerate(answers[:4]):
+        assert status == 200, answer
+        if index % 2:
+            assert answer["id"] == f"r{index}" and answer["model_name"] == "minilm"
+            (tensor,) = answer["outputs"]
+            assert tensor["shape"] == [2, 384] and tensor["datatype"] == "FP32"
+            vectors = torch.tensor(tensor["data"]).reshape(2, 384)
+        else:
+            vectors = answer["embeddings"]
+        assert_close_embeddings(vectors, reference(TEXTS[index:index + 2]))
+    assert answers[4] == (400, {"error": 'input "text" has shape [2] (2 elements) but 0 in "data"', "code": 400,
+                                "type": "InvalidInput"})
+    status, answer = infer_v2(server, "minilm", bodies[1])
+    assert status == 200 and answer == answers[1][1]
+    assert infer_v2(server, "minilm", bodies[1], key=None)[0] == 400  # TorchServe's token check, before any v2
+    status, raw = server.call("GET", f"{server.inference_url}/v2/health/ready", "inference")
+    assert (status, json.loads(raw)) == (200, {"ready": True})
+
+
+@pytest.mark.default_profile  # gRPC and the four other tasks are served by the default profile only
+def test_open_inference_over_rest_and_grpc_for_every_task(server):
+    cases = {
+        "minilm-sentiment": kserve_request("s", {"top_k": 2}, text=TEXTS[:3]),
+        "minilm-ner": kserve_request("n", text=["Ada Lovelace met Charles Babbage in London."]),
+        "minilm-qa": kserve_request("q", question=["Where did they meet?"],
+                                    context=["Ada Lovelace met Charles Babbage in London."]),
+        "tiny-llama": kserve_request("g", {"max_new_tokens": 6}, prompt=["Once upon a time"]),
+    }
+    native = {
+        "minilm-sentiment": {"inputs": TEXTS[:3], "top_k": 2},
+        "minilm-ner": {"inputs": ["Ada Lovelace met Charles Babbage in London."]},
+        "minilm-qa": {"inputs": [{"question": "Where did they meet?",
+                                  "context": "Ada Lovelace met Charles Babbage in London."}]},
+        "tiny-llama": {"text": "Once upon a time", "max_new_tokens": 6},
+    }
+    client = grpc_client_for(server)
+    try:
+        for model, body in cases.items():
+            registered(server, model, "greedy_token_agreement" if model == "tiny-llama" else "score_agreement")
+            status, answer = infer_v2(server, model, body)
+            assert status == 200 and answer["id"] == body["id"], answer
+            outputs = {tensor["name"]: tensor for tensor in answer["outputs"]}
+            status, want = predict(server, native[model], model=model)
+            assert status == 200, want
+            if model == "minilm-sentiment":
+                assert outputs["label"]["shape"] == [3, 2]
+                assert outputs["label"]["data"] == [row["label"] for ranked in want for row in ranked]
+            elif model == "minilm-ner":
+                assert [json.loads(row) for row in outputs["entities"]["data"]] == want
+            elif model == "minilm-qa":
+                assert outputs["answer"]["data"] == [want[0]["answer"]] and outputs["start"]["datatype"] == "INT64"
+            else:
+                assert outputs["generated_text"]["data"] == [want[0]["generated_text"]]
+            # The same request over TorchServe's gRPC ModelInfer (ts_open_inference_protocol=true).
+            texts = {tensor["name"]: tensor["data"] for tensor in body["inputs"]}
+            if "parameters" not in body:  # TorchServe's gRPC bridge passes no request parameters on
+                over_grpc = client.model_infer(model, texts, request_id=body["id"])
+                for name, tensor in outputs.items():
+                    got = over_grpc[name]["data"]
+                    assert over_grpc[name]["shape"] == tensor["shape"], (model, name)
+                    assert got == pytest.approx(tensor["data"], rel=1e-5) if tensor["datatype"] == "FP32" \
+                        else got == tensor["data"], (model, name, got, tensor["data"])
+        over_grpc = client.model_infer("minilm", {"text": TEXTS[:2]}, request_id="e")
+        status, over_rest = infer_v2(server, "minilm", kserve_request("e", text=TEXTS[:2]))
+        assert over_grpc["embedding"]["shape"] == [2, 384]
+        assert over_grpc["embedding"]["data"] == pytest.approx(over_rest["outputs"][0]["data"], abs=1e-5)
+    finally:
+        client.close()
+
+
 def scrape(server) -> dict[str, list[tuple[dict[str, str], float]]]:
     """The Prometheus text on the metrics port, as {metric: [(labels, value)]}."""
     status, raw = server.call("GET", f"{server.metrics_url}/metrics", None)

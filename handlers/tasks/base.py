@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from handlers import open_inference
 from handlers.config import DType, TooLong
 from handlers.errors import ConfigError, InvalidInput
 from handlers.ladder import Forward, QualityError, QualityGate, tensors
@@ -59,6 +60,7 @@ class Task(ABC):
     float32_only: ClassVar[str | None] = None  # why this task serves float32 only, if it does
     static_shapes_only: ClassVar[str | None] = None  # why this task refuses the dynamic shape policy, if it does
     default_shapes: ClassVar[ShapePolicy] = ShapePolicy()  # the buckets a YAML without pt2_handlers.shapes gets
+    open_inference_output: ClassVar[str]  # the v2 output's name where an answer is one tensor
 
     @classmethod
     @abstractmethod
@@ -89,6 +91,16 @@ class Task(ABC):
     @abstractmethod
     def postprocess(self, outputs: Any, encoded: Encoded, requests: Sequence[Any]) -> list[Any]:
         """Split the batch outputs into one JSON-serializable answer per request."""
+
+    def from_open_inference(self, texts: Mapping[str, list[str]], parameters: Mapping[str, Any]) -> Any:
+        """This task's own body for an Open Inference (KServe v2) request: by default the strings of its one BYTES
+        input as ``"inputs"``, the request's parameters as options."""
+        return open_inference.with_options({"inputs": open_inference.only_input(texts, self.name)}, parameters)
+
+    def to_open_inference(self, answer: Any, body: Any) -> list[dict[str, Any]]:
+        """The v2 output tensors of the answer to ``body`` (what ``from_open_inference`` made): by default one
+        row per input string (see handlers/open_inference.py)."""
+        return open_inference.to_tensors(self.open_inference_output, answer)
 
     def run(self, served: Served, encoded: Encoded, emit: Emit | None) -> Any:
         """The batch's outputs: one forward of the whole batch. Tasks that loop (generation) override this,

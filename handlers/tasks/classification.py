@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import transformers
 
+from handlers import open_inference
 from handlers.errors import InvalidInput
 from handlers.tasks.base import Encoded, ScoredTask, decode_body
 
@@ -48,6 +49,7 @@ class ScoredClassifier(torch.nn.Module):
 
 class TextClassificationTask(ScoredTask):
     name = "text-classification"
+    open_inference_output = "labels"
     model_class = transformers.AutoModelForSequenceClassification
     outputs_are_scores = True  # the module applies the pipeline's softmax / sigmoid itself
 
@@ -75,6 +77,9 @@ class TextClassificationTask(ScoredTask):
         if key == "text" and not isinstance(value, str):
             raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
         return ClassificationRequest(self.texts_of(value, f'"{key}"'), top_k, many=key == "inputs")
+
+    def to_open_inference(self, answer: Any, body: Any) -> list[dict[str, Any]]:
+        return open_inference.to_tensors(self.open_inference_output, answer, record_lists=True)  # label, score [n, k]
 
     def _top_k(self, value: Any) -> int | None:
         if value is None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import transformers
 
+from handlers import open_inference
 from handlers.config import DType, TooLong
 from handlers.errors import InvalidInput
 from handlers.ladder import QualityError, QualityGate, tensors
@@ -74,6 +75,7 @@ DEFAULT_MIN_COSINE = {DType.FLOAT32: 0.9999, DType.BFLOAT16: 0.999, DType.FLOAT1
 
 class EmbeddingsTask(Task):
     name = "embeddings"
+    open_inference_output = "embedding"
     model_class = transformers.AutoModel
     gate_keys = ("min_cosine", "min_cosine_half")
     default_too_long = TooLong.TRUNCATE  # as sentence-transformers encodes
@@ -108,6 +110,9 @@ class EmbeddingsTask(Task):
         if style is Style.TEXT and not isinstance(value, str):
             raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
         return EmbeddingRequest(self.texts_of(value, f'"{style.value}"'), style)
+
+    def to_open_inference(self, answer: Any, body: Any) -> list[dict[str, Any]]:
+        return open_inference.to_tensors(self.open_inference_output, answer["embeddings"])  # FP32 [n, dim]
 
     def preprocess(self, requests: Sequence[EmbeddingRequest]) -> Encoded:
         return Encoded(self.tokenize([text for request in requests for text in request.texts], padding=True))

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import transformers
 
+from handlers import open_inference
 from handlers.config import DType, TooLong
 from handlers.errors import ConfigError, InvalidInput
 from handlers.ladder import Forward, QualityError, QualityGate, tensors
@@ -174,6 +175,7 @@ class TokenGate(QualityGate):
 
 class TextGenerationTask(Task):
     name = "text-generation"
+    open_inference_output = "generated_text"
     model_class = transformers.AutoModelForCausalLM
     gate_keys = ("min_token_agreement",)
     float32_only = "its gate wants greedy tokens identical to fp32 eager's, which half types rarely keep"
@@ -232,6 +234,17 @@ class TextGenerationTask(Task):
             stop=_stop_strings(params.get("stop")),
             return_full_text=_flag(params, "return_full_text", True), details=_flag(params, "details", False),
             stream=_flag(params, "stream", False))
+
+    def from_open_inference(self, texts: Mapping[str, list[str]], parameters: Mapping[str, Any]) -> Any:
+        """One BYTES input holding one prompt; the parameters are the generation parameters (no streaming: the
+        protocol's REST answer is one JSON object)."""
+        prompts = open_inference.only_input(texts, self.name)
+        if len(prompts) != 1:
+            raise InvalidInput(f"text-generation reads one prompt per request; the input holds {len(prompts)}")
+        if parameters.get("stream"):
+            raise InvalidInput('"stream" is not available over the Open Inference Protocol; stream with '
+                               "/predictions or gRPC StreamPredictions")
+        return open_inference.with_options({"text": prompts[0]}, parameters)
 
     def _lengths(self, prompt_ids: tuple[int, ...], requested: Any) -> tuple[int, tuple[int, ...]]:
         """``max_new_tokens`` and the prompt tokens read, within ``max_length`` tokens in all."""

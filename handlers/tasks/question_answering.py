@@ -17,6 +17,7 @@ possible spans, are left out.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import transformers
 
+from handlers import open_inference
 from handlers.errors import InvalidInput, ModelLoadError
 from handlers.tasks.base import Encoded, ScoredTask, decode_body
 
@@ -73,6 +75,7 @@ class SpanLogits(torch.nn.Module):
 
 class QuestionAnsweringTask(ScoredTask):
     name = "question-answering"
+    open_inference_output = "answers"
     model_class = transformers.AutoModelForQuestionAnswering
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -111,6 +114,26 @@ class QuestionAnsweringTask(ScoredTask):
             raise InvalidInput(f"the context(s) need {total} windows of {self._window(options)} tokens; at most "
                                f"{self.max_inputs} per request (pt2_handlers.max_inputs_per_request)")
         return QuestionRequest(windows, options, many)
+
+    def from_open_inference(self, texts: Mapping[str, list[str]], parameters: Mapping[str, Any]) -> Any:
+        """Two BYTES inputs, "question" and "context", with one element per pair."""
+        if sorted(texts) != ["context", "question"]:
+            raise InvalidInput(f'question-answering reads two BYTES inputs, "question" and "context"; got '
+                               f'{", ".join(texts)}')
+        if len(texts["question"]) != len(texts["context"]):
+            raise InvalidInput(f'"question" has {len(texts["question"])} elements and "context" '
+                               f'{len(texts["context"])}; send one of each per pair')
+        pairs = [{"question": question, "context": context}
+                 for question, context in zip(texts["question"], texts["context"], strict=True)]
+        return open_inference.with_options({"inputs": pairs}, parameters)
+
+    def to_open_inference(self, answer: Any, body: Any) -> list[dict[str, Any]]:
+        # One best answer per pair: answer, score, start, end columns [n]; top_k > 1 may give fewer answers
+        # for some pairs, so then each pair's list is one JSON string.
+        if body.get("top_k", 1) == 1:
+            return open_inference.to_tensors(self.open_inference_output, answer)
+        return [{"name": self.open_inference_output, "shape": [len(answer)], "datatype": "BYTES",
+                 "data": [json.dumps(pair if isinstance(pair, list) else [pair]) for pair in answer]}]
 
     def _pair(self, item: Any, where: str) -> tuple[str, str]:
         if not isinstance(item, Mapping):

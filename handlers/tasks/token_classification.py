@@ -16,6 +16,7 @@ run on our logits, so every strategy groups and scores exactly as the pipeline d
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ class TokenLogits(torch.nn.Module):
 
 class TokenClassificationTask(ScoredTask):
     name = "token-classification"
+    open_inference_output = "entities"
     model_class = transformers.AutoModelForTokenClassification
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -78,6 +80,11 @@ class TokenClassificationTask(ScoredTask):
             raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
         return TokenRequest(self.texts_of(value, f'"{key}"'), _aggregation(body.get("aggregation_strategy")),
                             _ignore_labels(body.get("ignore_labels")), many=key == "inputs")
+
+    def to_open_inference(self, answer: Any, body: Any) -> list[dict[str, Any]]:
+        # Each text has its own number of entities: one JSON list per text, whatever the counts.
+        return [{"name": self.open_inference_output, "shape": [len(answer)], "datatype": "BYTES",
+                 "data": [json.dumps(entities) for entities in answer]}]
 
     def preprocess(self, requests: Sequence[TokenRequest]) -> Encoded:
         texts = [text for request in requests for text in request.texts]
