@@ -136,6 +136,12 @@ def cases(task: str, inputs: dict[str, Any], max_request_size: int) -> list[Case
         Case("lone UTF-16 surrogate", f'{{"{spec.key}": "a\\ud800b"}}'.encode(), "application/json", 400,
              "lone surrogate"),
         Case("JSON nested 100,000 deep", b"[" * 100_000, "application/json", 400, "nested more than 32 levels"),
+        as_json("Open Inference (v2): a tensor that is not BYTES",
+                {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1.0]}]}, 400,
+                "this model reads text"),
+        as_json("Open Inference (v2): shape and data disagree",
+                {"inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": ["a"]}]}, 400,
+                "(3 elements) but 1"),
         as_json("odd but valid Unicode (NUL, zero-width, emoji, RTL, CJK)",
                 spec.good("a\u0000b \u200b \U0001f600 \u05e9\u05dc\u05d5\u05dd \u4e2d\u6587"), 200, None),
     ]
@@ -197,7 +203,8 @@ def judge(case: Case, status: int | None, raw: bytes) -> str | None:
         error = json.loads(raw)
     except ValueError:
         return f"not a JSON error: {raw[:200]!r}"
-    if error.get("code") != case.status or case.says not in str(error.get("message")):
+    message = error.get("message", error.get("error"))  # an Open Inference request's error says "error"
+    if error.get("code") != case.status or case.says not in str(message):
         return f"expected a message with {case.says!r}, got {error}"
     return None
 

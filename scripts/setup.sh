@@ -50,8 +50,8 @@ case "$PROFILE" in
       echo "[setup] installing torch==2.13.0 (CPU)"
       pip_in "$VENV" install torch==2.13.0
     fi
-    echo "[setup] installing pt2-handlers dependencies (.[cpu,test,grpc,deploy])"
-    pip_in "$VENV" install ".[cpu,test,grpc,deploy]"
+    echo "[setup] installing pt2-handlers dependencies (.[cpu,test,grpc,deploy,example])"
+    pip_in "$VENV" install ".[cpu,test,grpc,deploy,example]"
     pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
     command -v java >/dev/null || { echo "[setup] TorchServe needs Java 17 (apt-get install openjdk-17-jre-headless)"; exit 1; }
     report "$VENV"
@@ -61,7 +61,7 @@ case "$PROFILE" in
     key=$(python3 -c 'import hashlib, json, sys, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 pins = [sys.version.split()[0], project["dependencies"], project["optional-dependencies"]["ipex"],
-        project["optional-dependencies"]["test"]]
+        project["optional-dependencies"]["test"], project["optional-dependencies"]["example"]]
 print(hashlib.sha256(json.dumps(pins).encode()).hexdigest()[:12])')
     VENV="$PROFILES_DIR/venv-ipex-$key"
     if [ -f "$VENV/.complete" ]; then
@@ -71,7 +71,7 @@ print(hashlib.sha256(json.dumps(pins).encode()).hexdigest()[:12])')
       mkdir -p "$PROFILES_DIR"
       echo "[setup] creating $VENV: torch 2.8.0 (CUDA build + nvidia-* libraries, several GB) + $IPEX_PIN"
       python3 -m venv "$VENV"
-      pip_in "$VENV" install ".[ipex,test]"
+      pip_in "$VENV" install ".[ipex,test,example]"
       pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
       echo "[setup] ipex venv: $(du -sh "$VENV" | cut -f1) in $(( $(date +%s) - started ))s"
       touch "$VENV/.complete"
