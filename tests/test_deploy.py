@@ -134,6 +134,9 @@ def test_the_dockerfile_builds_what_the_manifests_run(cluster):
     for script in ("scripts/manage.py", "scripts/tsctl.py"):
         assert script in dockerfile
     assert "ENV TORCHINDUCTOR_CACHE_DIR=/var/cache/pt2-handlers/inductor" in dockerfile
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".venv", ".venv-ipex", ".cache", ".git"} <= set(ignored)  # GBs that must not go into the build context
+    assert "**/key_file.json" in ignored and "model_store" not in ignored
 
 
 def test_the_kserve_inference_service_runs_the_same_pod(cluster, kserve):
