@@ -269,12 +269,28 @@ def manage(server, *args: str) -> str:
     return done.stdout
 
 
+def trickle(server, client: int, phase: list[str], stop: threading.Event, results: list) -> None:
+    """Embed one of TEXTS[:4] after another until ``stop``, appending (phase it started and ended in, or "down",
+    text index, status, answer) to ``results``."""
+    while not stop.is_set():
+        index, started_in = (client + len(results)) % 4, phase[0]
+        try:
+            status, raw = server.call("POST", f"{server.inference_url}/predictions/minilm", "inference",
+                                      json.dumps({"text": TEXTS[index]}).encode(), "application/json", timeout=30)
+            answer = json.loads(raw)
+        except TimeoutError:  # a request TorchServe lost with the worker it removed: no answer, never a wrong one
+            status, answer = None, "no answer in 30 s"
+        results.append((started_in if started_in == phase[0] else "down", index, status, answer))
+        time.sleep(0.05)
+
+
 def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_compile_cache(server, reference):
     """scripts/manage.py scales minilm to 3 workers and back while clients keep sending. Scaling up fails no
     request; each new worker proves its rung (the model log's READY line per worker) and loads its graphs from the
     compile cache (hits, no misses). Scaling down: TorchServe 0.12 disconnects a removed worker at once, even
-    mid-batch (pytorch/serve#1101), so a request in flight there may get its 500 "Worker died." - never a wrong
-    answer - and the requests after it succeed."""
+    mid-batch (pytorch/serve#1101), so a request in flight there may get its 500 "Worker died.", or no answer at
+    all (seen once in about ten runs: the client times out) - never a wrong answer - and the requests after it
+    succeed."""
     want = reference(TEXTS[:4])
     first = {w["id"] for w in describe(server)["workers"]}
     log = server.run_dir / "logs" / "model_log.log"
@@ -283,14 +299,7 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
     phase = ["up"]
     stop = threading.Event()
 
-    def trickle(client: int) -> None:
-        while not stop.is_set():
-            index, started_in = (client + len(results)) % 4, phase[0]
-            status, answer = predict(server, {"text": TEXTS[index]})
-            results.append((started_in if started_in == phase[0] else "down", index, status, answer))
-            time.sleep(0.05)
-
-    threads = [threading.Thread(target=trickle, args=(client,)) for client in range(2)]
+    threads = [threading.Thread(target=trickle, args=(server, client, phase, stop, results)) for client in range(2)]
     for thread in threads:
         thread.start()
     try:
@@ -307,7 +316,9 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
             assert time.monotonic() < deadline, describe(server)["workers"]
             time.sleep(0.5)
         phase[0] = "after"
-        time.sleep(1)
+        deadline = time.monotonic() + 60
+        while sum(started == "after" for started, *_ in results) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         stop.set()
         for thread in threads:
@@ -316,16 +327,21 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
         step_results = [(status, answer) for started, _, status, answer in results if started == step]
         assert step_results and all(status == 200 for status, _ in step_results), (step, step_results[:3])
     dropped = [answer for started, _, status, answer in results if status != 200]
-    assert all(a == {"code": 500, "type": "InternalServerException", "message": "Worker died."} for a in dropped)
+    assert all(a in ({"code": 500, "type": "InternalServerException", "message": "Worker died."},
+                     "no answer in 30 s") for a in dropped), dropped
     print(f"{len(results)} requests while scaling 1 -> 3 -> 1; {len(dropped)} dropped by the scale-down")
     for _, index, status, answer in results:
         if status == 200:
             assert_close_embeddings(answer["embedding"], want[index])
-    text = log.read_text(errors="replace")[offset:]
     new = {w["id"] for w in workers} - first
     assert len(new) == 2
-    for worker_id in new:
-        lines = [line for line in text.splitlines() if f"W-{worker_id}-minilm" in line]
+    assert_loaded_from_the_cache(log.read_text(errors="replace")[offset:], new)
+
+
+def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str]) -> None:
+    """Each worker proved its rung (its READY line) with FX graphs from the compile cache: hits, no misses."""
+    for worker_id in worker_ids:
+        lines = [line for line in log_text.splitlines() if f"W-{worker_id}-minilm" in line]
         ready = [line for line in lines if "model minilm READY on rung compile" in line]
         use = [line for line in lines if "compile cache " in line and "fx_graph" in line]
         assert ready and use, lines[-20:]
