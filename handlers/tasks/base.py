@@ -82,7 +82,8 @@ class Task(ABC):
 
     @abstractmethod
     def parse(self, body: Any) -> Any:
-        """Validate one request body into a request object; raise InvalidInput naming the problem."""
+        """Validate one request body (already through ``decode_body``: text or JSON) into a request object; raise
+        InvalidInput naming the problem."""
 
     @abstractmethod
     def preprocess(self, requests: Sequence[Any]) -> Encoded:

@@ -22,7 +22,7 @@ import transformers
 
 from handlers import open_inference
 from handlers.errors import InvalidInput
-from handlers.tasks.base import Encoded, ScoredTask, decode_body
+from handlers.tasks.base import Encoded, ScoredTask
 
 DEFAULT_TOP_K = 1
 
@@ -60,7 +60,6 @@ class TextClassificationTask(ScoredTask):
         return ScoredClassifier(model, multi_label).eval()
 
     def parse(self, body: Any) -> ClassificationRequest:
-        body = decode_body(body)
         if isinstance(body, str):
             return ClassificationRequest(self.texts_of(body, "the text"), DEFAULT_TOP_K, many=False)
         if not isinstance(body, Mapping):

@@ -21,7 +21,7 @@ from handlers import open_inference
 from handlers.config import DType, TooLong
 from handlers.errors import InvalidInput
 from handlers.ladder import QualityError, QualityGate, tensors
-from handlers.tasks.base import Encoded, Task, decode_body, gate_threshold
+from handlers.tasks.base import Encoded, Task, gate_threshold
 
 # Keys OpenAI clients send beside "input"; only what changes the answer is checked.
 OPENAI_EXTRA_KEYS = frozenset({"model", "encoding_format", "user"})
@@ -89,7 +89,6 @@ class EmbeddingsTask(Task):
         return MeanPooledEmbedder(model).eval()
 
     def parse(self, body: Any) -> EmbeddingRequest:
-        body = decode_body(body)
         if isinstance(body, str):
             return EmbeddingRequest(self.texts_of(body, "the text"), Style.TEXT)
         if isinstance(body, list):

@@ -37,7 +37,7 @@ from handlers.config import DType, TooLong
 from handlers.errors import ConfigError, InvalidInput
 from handlers.ladder import Forward, QualityError, QualityGate, tensors
 from handlers.shapes import ShapePolicy
-from handlers.tasks.base import Emit, Encoded, Served, Task, decode_body
+from handlers.tasks.base import Emit, Encoded, Served, Task
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,6 @@ class TextGenerationTask(Task):
     # -- requests ------------------------------------------------------------------------------------------
 
     def parse(self, body: Any) -> GenerationRequest:
-        body = decode_body(body)
         if isinstance(body, str):
             text, params = body, {}
         elif isinstance(body, Mapping):

@@ -28,7 +28,7 @@ import transformers
 
 from handlers import open_inference
 from handlers.errors import InvalidInput, ModelLoadError
-from handlers.tasks.base import Encoded, ScoredTask, decode_body
+from handlers.tasks.base import Encoded, ScoredTask
 
 PIPELINE_WINDOW = 384  # the pipeline's default max_seq_len
 PIPELINE_STRIDE = 128  # its default doc_stride (at most half the window)
@@ -86,7 +86,6 @@ class QuestionAnsweringTask(ScoredTask):
         return SpanLogits(model).eval()
 
     def parse(self, body: Any) -> QuestionRequest:
-        body = decode_body(body)
         if not isinstance(body, Mapping):
             raise InvalidInput('send a JSON object with "question" and "context" (or "inputs": a list of them)')
         many = "inputs" in body

@@ -26,7 +26,7 @@ import transformers
 from transformers.pipelines.token_classification import AggregationStrategy
 
 from handlers.errors import InvalidInput, ModelLoadError
-from handlers.tasks.base import Encoded, ScoredTask, decode_body
+from handlers.tasks.base import Encoded, ScoredTask
 
 OPTIONS = ("aggregation_strategy", "ignore_labels")
 
@@ -63,7 +63,6 @@ class TokenClassificationTask(ScoredTask):
         return TokenLogits(model).eval()
 
     def parse(self, body: Any) -> TokenRequest:
-        body = decode_body(body)
         if isinstance(body, str):
             return TokenRequest(self.texts_of(body, "the text"), AggregationStrategy.NONE, None, many=False)
         if not isinstance(body, Mapping):
