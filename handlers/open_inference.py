@@ -175,7 +175,12 @@ def to_tensors(name: str, rows: Sequence[Any], record_lists: bool = False) -> li
     records, shape = _records(rows, record_lists)
     if records is not None:
         return [_column(field, shape, [record[field] for record in records]) for field in records[0]]
-    return [_tensor(name, [len(rows)], [json.dumps(row) for row in rows])]
+    return [json_rows(name, rows)]
+
+
+def json_rows(name: str, rows: Sequence[Any]) -> dict[str, Any]:
+    """One BYTES tensor ``[n]``: each row as JSON text (for answers whose rows differ in length)."""
+    return {"name": name, "shape": [len(rows)], "datatype": "BYTES", "data": [json.dumps(row) for row in rows]}
 
 
 def _records(rows: list[Any], record_lists: bool) -> tuple[list[Mapping[str, Any]] | None, list[int]]:

@@ -17,7 +17,6 @@ possible spans, are left out.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -131,8 +130,8 @@ class QuestionAnsweringTask(ScoredTask):
         # for some pairs, so then each pair's list is one JSON string.
         if body.get("top_k", 1) == 1:
             return open_inference.to_tensors(self.open_inference_output, answer)
-        return [{"name": self.open_inference_output, "shape": [len(answer)], "datatype": "BYTES",
-                 "data": [json.dumps(pair if isinstance(pair, list) else [pair]) for pair in answer]}]
+        return [open_inference.json_rows(self.open_inference_output,
+                                         [pair if isinstance(pair, list) else [pair] for pair in answer])]
 
     def _pair(self, item: Any, where: str) -> tuple[str, str]:
         if not isinstance(item, Mapping):

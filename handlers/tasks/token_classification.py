@@ -16,7 +16,6 @@ run on our logits, so every strategy groups and scores exactly as the pipeline d
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 import transformers
 from transformers.pipelines.token_classification import AggregationStrategy
 
+from handlers import open_inference
 from handlers.errors import InvalidInput, ModelLoadError
 from handlers.tasks.base import Encoded, ScoredTask
 
@@ -82,8 +82,7 @@ class TokenClassificationTask(ScoredTask):
 
     def to_open_inference(self, answer: Any, body: Any) -> list[dict[str, Any]]:
         # Each text has its own number of entities: one JSON list per text, whatever the counts.
-        return [{"name": self.open_inference_output, "shape": [len(answer)], "datatype": "BYTES",
-                 "data": [json.dumps(entities) for entities in answer]}]
+        return [open_inference.json_rows(self.open_inference_output, answer)]
 
     def preprocess(self, requests: Sequence[TokenRequest]) -> Encoded:
         texts = [text for request in requests for text in request.texts]
