@@ -121,7 +121,8 @@ class HandlerSettings:
     model_dir: str = "model"
     max_length: int | None = None
     too_long: TooLong | None = None  # None: the task's own default (embeddings truncate, the others reject)
-    dtype: DType = DType.AUTO
+    # The precisions the model may serve in, fastest first; (AUTO,) resolves from the hardware at load.
+    dtype: tuple[DType, ...] = (DType.AUTO,)
     ladder: tuple[RungName, ...] = (RungName.COMPILE, RungName.SAFE_COMPILE, RungName.IPEX, RungName.EAGER)
     shapes: ShapePolicy = field(default_factory=ShapePolicy)
     quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
@@ -331,7 +332,7 @@ def _parse_settings(value: Any, compile_spec: CompileSpec) -> HandlerSettings:
         model_dir=section.get("model_dir", (str,), defaults.model_dir),
         max_length=_positive(section, "max_length", None),
         too_long=section.choice("too_long", TooLong, None),
-        dtype=section.choice("dtype", DType, defaults.dtype),
+        dtype=_parse_dtype(section, defaults.dtype),
         ladder=_parse_ladder(section, defaults.ladder),
         shapes=_parse_shapes(section, compile_spec, task_class),
         quality_gate=_parse_gate(section, task_class),
@@ -342,9 +343,9 @@ def _parse_settings(value: Any, compile_spec: CompileSpec) -> HandlerSettings:
         max_inputs_per_request=_positive(section, "max_inputs_per_request", defaults.max_inputs_per_request),
     )
     section.finish()
-    if task_class.float32_only and settings.dtype not in (DType.AUTO, DType.FLOAT32):
+    if task_class.float32_only and settings.dtype not in ((DType.AUTO,), (DType.FLOAT32,)):
         raise ConfigError(f"{section.key('dtype')}: {task} serves float32 ({task_class.float32_only}); "
-                          f"use auto or float32, got {settings.dtype.value}")
+                          f"use auto or float32, got {', '.join(d.value for d in settings.dtype)}")
     if task_class.static_shapes_only and settings.shapes.dynamic:
         raise ConfigError(f"{section.key('shapes')}: {task} compiles static shapes only "
                           f"({task_class.static_shapes_only}); use policy: buckets and leave pt2.compile.dynamic unset")
@@ -356,6 +357,25 @@ def _positive(section: _Section, key: str, default: int | None) -> int | None:
     if value is not None and value <= 0:
         raise ConfigError(f"{section.key(key)} must be a positive integer, got {value!r}")
     return value
+
+
+def _parse_dtype(section: _Section, default: tuple[DType, ...]) -> tuple[DType, ...]:
+    """``dtype``: one precision, ``auto``, or a list of precisions to try in order (fastest first)."""
+    raw = section.get("dtype", (str, list))
+    if raw is None:
+        return default
+    if isinstance(raw, str):
+        return (section.choice("dtype", DType, default[0]),)
+    allowed = [d.value for d in DType if d is not DType.AUTO]
+    precisions = []
+    for name in raw:
+        if name not in allowed:
+            raise ConfigError(f"{section.key('dtype')}: {name!r} is not a precision{did_you_mean(str(name), allowed)}; "
+                              f"a list takes some of: {', '.join(allowed)} (auto stands alone)")
+        precisions.append(DType(name))
+    if not precisions or len(set(precisions)) != len(precisions):
+        raise ConfigError(f"{section.key('dtype')}: a list names each precision once, at least one, got {raw!r}")
+    return tuple(precisions)
 
 
 def _parse_ladder(section: _Section, default: tuple[RungName, ...]) -> tuple[RungName, ...]:

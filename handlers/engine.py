@@ -5,7 +5,6 @@ Lifecycle is explicit (``State``): requests before READY or after a failed load 
 
 from __future__ import annotations
 
-import copy
 import enum
 import logging
 import time
@@ -20,8 +19,10 @@ from handlers import compile_cache, hardware, open_inference
 from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady
-from handlers.ladder import Attempt, GuardedForward, build_ladder, run_ladder, summarize
+from handlers.guard import GuardedForward
+from handlers.ladder import Attempt, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
+from handlers.rungs import build_ladder
 from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
 from handlers.tasks import Task, check_task
 from handlers.tasks.base import Emit, decode_body
@@ -71,10 +72,12 @@ class Engine:
         self.batches = 0
         self.max_batch_requests = 0
         self.last_batch = BatchStats()
-        self.dtype = hardware.resolve_dtype(config.settings.dtype, device)
+        self.precisions = hardware.resolve_precisions(config.settings.dtype, device)  # to try, fastest first
         float32_only = check_task(config.settings.task).float32_only
-        if float32_only and self.dtype.value is not DType.FLOAT32:
-            self.dtype = hardware.Choice(DType.FLOAT32, f"{config.settings.task} serves float32: {float32_only}")
+        if float32_only and self.precisions.value != (DType.FLOAT32,):
+            self.precisions = hardware.Choice((DType.FLOAT32,), f"{config.settings.task} serves float32: "
+                                                                f"{float32_only}")
+        self.dtype = hardware.Choice(self.precisions.value[0], "not loaded yet")  # the precision served
         self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
@@ -111,24 +114,22 @@ class Engine:
         self._task = task_class(tokenizer, max_length, settings.max_inputs_per_request, self.model_name,
                                 settings.too_long)
         reference = self._task.build_module(model)
-        dtype: DType = self.dtype.value
-        serving = reference if dtype is DType.FLOAT32 else copy.deepcopy(reference).to(dtype.torch)
         batches = [self._on_device(batch) if isinstance(batch, Mapping) else batch
                    for batch in self._task.warmup_batches(self.shapes.warmup_shapes())]
         no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
-        rungs = build_ladder(self.config, self.device, dtype, compile_unavailable=no_cache,
+        rungs = build_ladder(self.config, self.device, compile_unavailable=no_cache,
                              inductor_unavailable=hardware.cpp_compiler_problem(self.device))
         self.notes = [note for rung in rungs for note in rung.notes(self.device)]
         cache_before = compile_cache.use_counters()
-        result = run_ladder(reference, serving, dtype, rungs, batches, task_class.quality_gate(
-            dtype, settings.quality_gate), run=self._task.prove)
+        precisions: tuple[DType, ...] = self.precisions.value
+        result = run_ladder(reference, precisions, rungs, batches,
+                            lambda dtype: task_class.quality_gate(dtype, settings.quality_gate), run=self._task.prove)
         self.cache_use = compile_cache.use_since(cache_before)
         logger.info("compile cache %s: %s", self.cache.path, ", ".join(
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
             for cache, use in self.cache_use.items()))
         self.attempts = result.attempts
-        self.dtype = hardware.Choice(result.dtype, self.dtype.reason if result.dtype is dtype else
-                                     f"{self.dtype.reason}; no rung kept the answers in {dtype.value}")
+        self.dtype = hardware.Choice(result.dtype, _why_served(result.dtype, precisions, self.precisions.reason))
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
 
     @property
@@ -272,6 +273,8 @@ class Engine:
             "device": str(self.device),
             "dtype": self.dtype.value.value,
             "dtype_reason": self.dtype.reason,
+            "precisions": {"tried_in_order": [p.value for p in self.precisions.value],
+                           "reason": self.precisions.reason},
             "threads": {"intra_op": self.threads.value, "reason": self.threads.reason},
             "torch": torch.__version__,
             "requested_compile": self.config.served_compile.describe() if self.config.compile.enabled else None,
@@ -291,6 +294,15 @@ class Engine:
             "config_warnings": list(self.config.warnings),
         }
 
+
+
+def _why_served(served: DType, precisions: Sequence[DType], reason: str) -> str:
+    """The plan's reason, and which faster precisions the gate turned down on the way (the ladder tries a slower
+    precision only after a faster one failed the gate)."""
+    faster = precisions[: precisions.index(served)] if served in precisions else precisions
+    if not faster:
+        return reason
+    return f"{reason}; {' and '.join(p.value for p in faster)} failed the quality gate (see attempts)"
 
 
 class _StageClock:

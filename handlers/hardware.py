@@ -1,9 +1,10 @@
-"""What this worker's hardware can do, asked at load time (never at import): the dtype that ``auto``
+"""What this worker's hardware can do, asked at load time (never at import): the precisions ``auto``
 resolves to, and how many threads each worker may use without oversubscribing the cores."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,18 +46,23 @@ def linux_cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def resolve_dtype(requested: DType, device: torch.device) -> Choice:
-    """``auto``: bf16 on a CPU with bf16 instructions, fp32 on other CPUs; bf16 (else fp16) on a GPU."""
-    if requested is not DType.AUTO:
-        return Choice(requested, "configured")
+def resolve_precisions(requested: Sequence[DType], device: torch.device,
+                       features: Mapping[str, bool] | None = None) -> Choice:
+    """The precisions to try, fastest first (a tuple of DType). ``auto``: bf16 then fp32 on a CPU with bf16
+    instructions (``features``: the CPU's, by default asked of torch) or a GPU that has bf16 (fp16 then fp32 on
+    one that has not), fp32 alone on other CPUs. Anything else: as configured."""
+    if tuple(requested) != (DType.AUTO,):
+        return Choice(tuple(requested), "configured")
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
-            return Choice(DType.BFLOAT16, "auto: the GPU supports bf16")
-        return Choice(DType.FLOAT16, "auto: the GPU has no bf16; fp16")
-    found = [name for name, present in cpu_features().items() if present]
+            return Choice((DType.BFLOAT16, DType.FLOAT32), "auto: the GPU has bf16; fp32 where bf16 fails the gate")
+        return Choice((DType.FLOAT16, DType.FLOAT32), "auto: the GPU has no bf16; fp16, fp32 where it fails the gate")
+    found = [name for name, present in (cpu_features() if features is None else features).items() if present]
     if found:
-        return Choice(DType.BFLOAT16, f"auto: the CPU has {'/'.join(found)}")
-    return Choice(DType.FLOAT32, f"auto: the CPU has none of {'/'.join(BF16_CPU_FEATURES)}, so bf16 would be emulated")
+        return Choice((DType.BFLOAT16, DType.FLOAT32),
+                      f"auto: the CPU has {'/'.join(found)}; fp32 where bf16 fails the gate")
+    return Choice((DType.FLOAT32,), f"auto: the CPU has none of {'/'.join(BF16_CPU_FEATURES)}, so bf16 would be "
+                                   "emulated")
 
 
 def available_cores() -> int:

@@ -11,7 +11,7 @@ import torch
 
 from handlers.config import CompileSpec, DType, HandlerSettings, RungName, TooLong, load_config
 from handlers.errors import ConfigError
-from handlers.hardware import resolve_dtype, resolve_threads
+from handlers.hardware import resolve_precisions, resolve_threads
 from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
 
 MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
@@ -182,7 +182,7 @@ def test_settings_section_with_every_key():
     }}).settings
     assert settings.model_dir == "weights" and settings.max_length == 128
     assert settings.too_long is TooLong.REJECT
-    assert settings.dtype is DType.BFLOAT16
+    assert settings.dtype == (DType.BFLOAT16,)
     assert settings.ladder == (RungName.SAFE_COMPILE, RungName.EAGER)
     assert settings.shapes == ShapePolicy(PolicyKind.BUCKETS, (1, 8), (32,), AfterReady.FAIL)
     assert settings.shapes.warmup_shapes() == [(1, 32), (8, 32)]
@@ -194,7 +194,7 @@ def test_settings_section_with_every_key():
 def test_defaults_are_the_cpu_fast_path():
     settings = HandlerSettings()
     # freezing is off by default: measured no gain with bf16 here, and it slows warm restarts
-    assert settings.dtype is DType.AUTO and not settings.freezing and settings.threads is None
+    assert settings.dtype == (DType.AUTO,) and not settings.freezing and settings.threads is None
     assert settings.shapes.after_ready is AfterReady.EAGER
     assert load_config({"pt2_handlers": {"threads": "auto"}}).settings.threads is None
 
@@ -216,16 +216,46 @@ def test_served_compile_adds_freezing_and_spells_the_mode_as_options():
     assert eager_backend.freezing is False  # freezing is an inductor pass
 
 
-def test_dtype_auto_follows_the_cpu(monkeypatch):
+@pytest.mark.parametrize(("features", "precisions", "said"), [
+    ({"amx_bf16": False, "avx512_bf16": True}, (DType.BFLOAT16, DType.FLOAT32), "the CPU has avx512_bf16"),
+    ({"amx_bf16": True, "avx512_bf16": True}, (DType.BFLOAT16, DType.FLOAT32), "the CPU has amx_bf16/avx512_bf16"),
+    ({"amx_bf16": False, "avx512_bf16": False}, (DType.FLOAT32,), "bf16 would be emulated"),
+])
+def test_dtype_auto_resolves_to_an_ordered_list_from_the_cpu_flags(features, precisions, said):
+    """Both CPU kinds on any machine: the flags are injected, not read from this CPU."""
+    choice = resolve_precisions((DType.AUTO,), torch.device("cpu"), features)
+    assert choice.value == precisions and said in choice.reason
+
+
+def test_dtype_auto_asks_torch_for_the_cpu_flags_by_default(monkeypatch):
     import handlers.hardware as hardware
 
-    cpu = torch.device("cpu")
-    assert resolve_dtype(DType.FLOAT16, cpu).value is DType.FLOAT16
-    monkeypatch.setattr(hardware, "cpu_features", lambda: {"amx_bf16": False, "avx512_bf16": True})
-    assert resolve_dtype(DType.AUTO, cpu).value is DType.BFLOAT16
-    assert "avx512_bf16" in resolve_dtype(DType.AUTO, cpu).reason
     monkeypatch.setattr(hardware, "cpu_features", lambda: {"amx_bf16": False, "avx512_bf16": False})
-    assert resolve_dtype(DType.AUTO, cpu).value is DType.FLOAT32
+    assert resolve_precisions((DType.AUTO,), torch.device("cpu")).value == (DType.FLOAT32,)
+
+
+@pytest.mark.parametrize(("dtype", "precisions"), [
+    ("float16", (DType.FLOAT16,)),
+    ("bfloat16", (DType.BFLOAT16,)),
+    (["bfloat16", "float32"], (DType.BFLOAT16, DType.FLOAT32)),
+    (["float32"], (DType.FLOAT32,)),
+])
+def test_an_explicit_dtype_or_list_is_tried_as_written(dtype, precisions):
+    configured = load_config({"pt2_handlers": {"dtype": dtype}}).settings.dtype
+    assert resolve_precisions(configured, torch.device("cpu")).value == precisions
+
+
+@pytest.mark.parametrize(("dtype", "message"), [
+    (["bfloat16", "auto"], "'auto' is not a precision; a list takes some of: float32, bfloat16, float16 (auto stands"),
+    (["bfloat61"], "'bfloat61' is not a precision (did you mean bfloat16?)"),
+    (["float32", "float32"], "a list names each precision once, at least one"),
+    ([], "a list names each precision once, at least one"),
+    (3, "pt2_handlers.dtype must be str or list, got int 3"),
+])
+def test_a_bad_dtype_list_is_refused_with_what_is_allowed(dtype, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config({"pt2_handlers": {"dtype": dtype}})
+    assert message in str(caught.value)
 
 
 def test_threads_share_the_cores_among_workers(monkeypatch):

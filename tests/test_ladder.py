@@ -10,20 +10,10 @@ import pytest
 import torch
 
 from handlers.config import CompileSpec, DType, RungName, load_config
-from handlers.ladder import (
-    AttemptStatus,
-    CompileRung,
-    EagerRung,
-    GuardedForward,
-    IpexRung,
-    QualityError,
-    Rung,
-    ShapeNotWarmed,
-    build_ladder,
-    compiled_graphs,
-    is_refused_recompile,
-    run_ladder,
-)
+from handlers.dynamo_watch import dynamo_counts
+from handlers.guard import GuardedForward, ShapeNotWarmed, is_refused_recompile
+from handlers.ladder import AttemptStatus, QualityError, run_ladder
+from handlers.rungs import CompileRung, EagerRung, IpexRung, Rung, build_ladder
 from handlers.ipex import probe_ipex
 from handlers.shapes import AfterReady
 from handlers.tasks.embeddings import CosineGate
@@ -35,9 +25,13 @@ def ipex_usable() -> bool:
     return probe_ipex()[0] is not None
 
 
-def ladder(net, rungs, batches, gate=GATE):
-    """The fp32 ladder: the serving module is the reference itself."""
-    return run_ladder(net, net, DType.FLOAT32, rungs, batches, gate)
+def ladder(net, rungs, batches, gate=GATE, precisions=(DType.FLOAT32,)):
+    """The ladder at ``precisions`` (fp32 alone by default: the serving module is the reference itself)."""
+    return run_ladder(net, precisions, rungs, batches, lambda dtype: gate)
+
+
+def compiled_graphs() -> int:
+    return dynamo_counts().graphs
 
 
 class SmallNet(torch.nn.Module):
@@ -71,7 +65,7 @@ class FaultyRung(Rung):
         self.fail_on_call = fail_on_call
         self.calls = 0
 
-    def apply(self, module):
+    def apply(self, module, dtype):
         if self.fail_at == "apply":
             raise RuntimeError("boom at compile")
 
@@ -146,7 +140,7 @@ def test_live_failure_on_the_third_batch_is_answered_eagerly_then_demotes(net, b
     assert rung.calls == calls, "a demoted guard must not call the optimized rung again"
     assert guard.describe() == {"accepted": "compile", "runtime_failures": 2, "max_runtime_failures": 2,
                                 "last_failure": guard.last_failure, "demoted": True, "after_ready": "eager",
-                                "compiles_after_ready": 0, "eager_batches": 0}
+                                "compiles_after_ready": 0, "eager_batches": 0, "frames_given_up": 0}
 
 
 def test_guard_raises_when_eager_fails_too(net):
@@ -160,7 +154,7 @@ def test_guard_raises_when_eager_fails_too(net):
 def test_real_compile_with_a_backend_that_raises_at_first_forward(net, batches):
     spec = load_config({"pt2": {"compile": {"enable": True,
                                             "backend": "tests.faulty_backends:raise_on_compile"}}}).compile
-    compiled = CompileRung("compile", spec).apply(net)  # lazy: nothing fails yet
+    compiled = CompileRung("compile", spec).apply(net, DType.FLOAT32)  # lazy: nothing fails yet
     assert compiled is not None
     result = ladder(net, [CompileRung("compile", spec), EagerRung()], batches)
     assert result.active == "eager"
@@ -187,7 +181,7 @@ def test_real_inductor_compile_is_accepted(net, batches):
 
 def test_build_ladder_skips_what_cannot_run(net, batches):
     config = load_config({"pt2": {"compile": {"enable": False}}})
-    result = ladder(net, build_ladder(config, torch.device("cpu"), DType.FLOAT32), batches)
+    result = ladder(net, build_ladder(config, torch.device("cpu")), batches)
     skipped = {a.rung: a.reason for a in result.attempts if a.status is AttemptStatus.SKIPPED}
     assert skipped["compile"] == skipped["safe_compile"] == "pt2.compile.enable is not true"
     if ipex_usable():  # the ipex profile: the IPEX rung runs, passes the gate and serves
@@ -199,13 +193,13 @@ def test_build_ladder_skips_what_cannot_run(net, batches):
 
 def test_safe_compile_identical_to_the_request_is_skipped():
     config = load_config({"pt2": {"compile": {"enable": True}}, "pt2_handlers": {"freezing": False}})
-    rungs = build_ladder(config, torch.device("cpu"), DType.FLOAT32)
+    rungs = build_ladder(config, torch.device("cpu"))
     assert [r.name for r in rungs] == ["compile", "safe_compile", "ipex", "eager"]
     assert rungs[1].unavailable_reason() == "identical to the compile rung"
 
 
 def test_ipex_is_cpu_only():
-    rung = IpexRung(torch.device("cuda", 0), DType.FLOAT32)
+    rung = IpexRung(torch.device("cuda", 0))
     assert rung.unavailable_reason() == "IPEX runs on CPU only; this worker uses cuda:0"
 
 
@@ -221,7 +215,7 @@ def test_a_broken_ipex_install_is_skipped_not_fatal(tmp_path, monkeypatch, reque
     monkeypatch.delitem(sys.modules, "intel_extension_for_pytorch", raising=False)
     probe_ipex.cache_clear()
     request.addfinalizer(probe_ipex.cache_clear)  # the real IPEX (or its absence) for later tests
-    result = ladder(net, [IpexRung(torch.device("cpu"), DType.FLOAT32), EagerRung()], batches)
+    result = ladder(net, [IpexRung(torch.device("cpu")), EagerRung()], batches)
     ipex = result.attempts[0]
     assert ipex.status is AttemptStatus.SKIPPED
     assert "failed to import" in ipex.reason and "AttributeError" in ipex.reason
@@ -236,23 +230,100 @@ def test_cosine_gate_checks_shape_and_nan():
 
 
 def test_a_bf16_rung_is_judged_against_fp32_eager_and_recorded(net, batches):
-    serving = SmallNet().eval().to(torch.bfloat16)
-    result = run_ladder(net, serving, DType.BFLOAT16, [EagerRung()], batches, CosineGate(0.999))
+    result = ladder(net, [EagerRung()], batches, CosineGate(0.999), precisions=(DType.BFLOAT16,))
     assert (result.active, result.dtype) == ("eager", DType.BFLOAT16)
-    attempt = result.attempts[0]
-    assert attempt.dtype == "bfloat16" and 0.999 <= attempt.quality.value < 1.0
-    assert attempt.to_json()["quality"]["metric"] == "min_cosine"
+    screen, accepted = result.attempts
+    assert (screen.rung, screen.status, screen.dtype) == ("eager", AttemptStatus.PASSED, "bfloat16") and screen.screen
+    assert 0.999 <= screen.quality.value < 1.0 and accepted.quality == screen.quality
+    assert (accepted.status, accepted.reason) == (AttemptStatus.ACCEPTED, "answers proven by its screen")
+    assert accepted.to_json()["quality"]["metric"] == "min_cosine"
+    assert next(result.forward.parameters()).dtype is torch.bfloat16 and next(net.parameters()).dtype is torch.float32
 
 
-def test_half_rungs_that_lose_the_answers_end_on_fp32_eager(net, batches):
-    serving = SmallNet().eval().to(torch.bfloat16)
-    strict = CosineGate(0.9999999)  # bf16 cannot keep 7 nines
-    result = run_ladder(net, serving, DType.BFLOAT16, [FaultyRung("compile"), EagerRung()], batches, strict)
+def test_a_precision_that_fails_its_screen_is_compiled_nowhere(net, batches):
+    """bf16 cannot keep 6 nines, even eagerly: no rung is tried in it; compile runs in fp32 at once."""
+    compile_rung = FaultyRung("compile")
+    result = ladder(net, [compile_rung, FaultyRung("safe_compile"), EagerRung()], batches,
+                    CosineGate(0.999999), precisions=(DType.BFLOAT16, DType.FLOAT32))
     assert [(a.rung, a.status, a.dtype) for a in result.attempts] == [
-        ("compile", AttemptStatus.FAILED, "bfloat16"), ("eager", AttemptStatus.FAILED, "bfloat16"),
-        ("eager", AttemptStatus.ACCEPTED, "float32")]
+        ("eager", AttemptStatus.FAILED, "bfloat16"), ("compile", AttemptStatus.ACCEPTED, "float32")]
+    assert result.attempts[0].screen and "so no rung runs in bfloat16" in result.attempts[0].reason
+    assert (result.active, result.dtype) == ("compile", DType.FLOAT32)
+
+
+def test_a_rung_that_fails_the_gate_in_bf16_is_tried_in_fp32_before_the_next_rung(net, batches):
+    class LossyInBf16(FaultyRung):  # a compile whose bf16 numbers are off, though eager bf16 is fine
+        def apply(self, module, dtype):
+            forward = super().apply(module, dtype)
+            return (lambda **batch: forward(**batch) + 0.5) if dtype is DType.BFLOAT16 else forward
+
+    result = ladder(net, [LossyInBf16("compile"), FaultyRung("safe_compile"), EagerRung()], batches,
+                    CosineGate(0.999), precisions=(DType.BFLOAT16, DType.FLOAT32))
+    assert [(a.rung, a.status.value, a.dtype) for a in result.attempts] == [
+        ("eager", "passed", "bfloat16"), ("compile", "failed", "bfloat16"), ("compile", "accepted", "float32")]
+
+
+def test_only_half_precisions_that_all_fail_end_on_fp32_eager(net, batches):
+    result = ladder(net, [FaultyRung("compile"), EagerRung()], batches, CosineGate(0.9999999),
+                    precisions=(DType.BFLOAT16,))
+    assert [(a.rung, a.status, a.dtype) for a in result.attempts] == [
+        ("eager", AttemptStatus.FAILED, "bfloat16"), ("eager", AttemptStatus.ACCEPTED, "float32")]
     assert "no rung kept the answers in bfloat16" in result.attempts[-1].reason
     assert result.forward is net and result.dtype is DType.FLOAT32
+
+
+def test_a_rung_that_raises_in_bf16_hands_over_to_the_next_rung_in_bf16(net, batches):
+    result = ladder(net, [FaultyRung("compile", "apply"), FaultyRung("safe_compile"), EagerRung()], batches,
+                    CosineGate(0.999), precisions=(DType.BFLOAT16, DType.FLOAT32))
+    assert [(a.rung, a.status.value, a.dtype) for a in result.attempts] == [
+        ("eager", "passed", "bfloat16"), ("compile", "failed", "bfloat16"), ("safe_compile", "accepted", "bfloat16")]
+
+
+class GrowingCounter(torch.nn.Module):
+    """A Python int attribute that grows every call: each call guards on a new value and recompiles, until dynamo
+    gives up on the frame and runs it eagerly, without an error."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x) + 0 * self.calls
+
+
+def test_a_compile_that_dynamo_gives_up_on_is_not_accepted_as_compiled(batches):
+    torch._dynamo.reset()
+    net = GrowingCounter().eval()
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    result = ladder(net, [CompileRung("compile", spec), EagerRung()], batches)
+    compile_attempt = result.attempts[0]
+    assert (compile_attempt.rung, compile_attempt.status) == ("compile", AttemptStatus.FAILED)
+    assert compile_attempt.reason.startswith("NotCompiled: the second warmup pass compiled"), compile_attempt.reason
+    assert result.active == "eager"
+
+
+class GraphBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        torch._dynamo.graph_break()
+        return y + 1
+
+
+def test_graph_breaks_are_accepted_and_counted(batches):
+    torch._dynamo.reset()
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    result = ladder(GraphBreak().eval(), [CompileRung("compile", spec), EagerRung()], batches)
+    accepted = result.attempts[0]
+    assert accepted.status is AttemptStatus.ACCEPTED and accepted.dynamo.graph_breaks >= 1
+    assert accepted.to_json()["dynamo"]["frames_given_up"] == 0
 
 
 def static_compile(net, shapes):
@@ -366,5 +437,5 @@ def test_a_cpu_worker_without_a_cpp_compiler_skips_the_inductor_rungs_at_once():
     assert hardware.cpp_compiler_problem(torch.device("meta")) is None
     config = load_config({"pt2": {"compile": {"enable": True, "backend": "tests.faulty_backends:raise_on_compile"}},
                           "pt2_handlers": {"ladder": ["compile", "safe_compile", "eager"]}})
-    rungs = build_ladder(config, cpu, DType.FLOAT32, inductor_unavailable=problem)
+    rungs = build_ladder(config, cpu, inductor_unavailable=problem)
     assert [rung.unavailable_reason() for rung in rungs[:2]] == [None, problem]

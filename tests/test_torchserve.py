@@ -198,13 +198,16 @@ def test_describe_shows_the_ladder_and_the_fast_path(server):
     meta = describe(server)["customizedMetadata"]
     optimization = meta["optimization"]
     assert optimization["active"] == "compile"
-    first = optimization["attempts"][0]
-    assert (first["rung"], first["status"]) == ("compile", "accepted") and first["seconds"] > 0
-    want_dtype = hardware.resolve_dtype(DType.AUTO, torch.device("cpu")).value.value
-    assert optimization["device"] == "cpu" and optimization["dtype"] == first["dtype"] == want_dtype
-    gate = first["quality"]
+    # dtype auto: whatever this CPU resolves it to (tests/test_config.py covers both kinds with injected flags),
+    # MiniLM's embeddings keep the gate in the fastest precision, so compile serves in it.
+    plan = [p.value for p in hardware.resolve_precisions((DType.AUTO,), torch.device("cpu")).value]
+    assert optimization["precisions"]["tried_in_order"] == plan
+    accepted = accepted_attempt(optimization)
+    assert (accepted["rung"], accepted["dtype"]) == ("compile", plan[0]) and accepted["seconds"] > 0
+    assert optimization["device"] == "cpu" and optimization["dtype"] == plan[0]
+    gate = accepted["quality"]
     assert gate["metric"] == "min_cosine" and gate["value"] >= gate["threshold"] == (
-        0.9999 if want_dtype == "float32" else 0.999)
+        0.9999 if plan[0] == "float32" else 0.999)
     assert optimization["threads"]["intra_op"] >= 1 and "minWorkers" in optimization["threads"]["reason"]
     assert optimization["notes"] == ["mode reduce-overhead: no CUDA graphs on cpu; inductor compiles without them"]
     assert optimization["shapes"]["policy"] == "dynamic"
@@ -468,9 +471,25 @@ def registered(server, model: str, metric: str = "score_agreement") -> dict:
         assert status == 200, body
     optimization = describe(server, model)["customizedMetadata"]["optimization"]
     assert optimization["active"] == "compile", optimization["attempts"]
-    quality = optimization["attempts"][0]["quality"]
+    quality = accepted_attempt(optimization)["quality"]
     assert quality["metric"] == metric and quality["value"] >= quality["threshold"]
     return optimization
+
+
+def accepted_attempt(optimization: dict) -> dict:
+    accepted = [a for a in optimization["attempts"] if a["status"] == "accepted"]
+    assert len(accepted) == 1, optimization["attempts"]
+    return accepted[0]
+
+
+def assert_compiled_once_in_fp32_where_bf16_loses_the_answers(optimization: dict) -> None:
+    """NER and QA with a random head: bf16 moves their probabilities past the gate's 1e-2. On a CPU where auto
+    tries bf16 first, its eager screen fails and compile runs once, in fp32; on others fp32 is all there is."""
+    attempts = [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
+    if "bfloat16" in optimization["precisions"]["tried_in_order"]:
+        assert attempts == [("eager", "bfloat16", "failed"), ("compile", "float32", "accepted")], attempts
+    else:
+        assert attempts == [("compile", "float32", "accepted")], attempts
 
 
 def assert_nothing_compiled_after_ready(server, model: str) -> None:
@@ -486,6 +505,7 @@ def test_token_classification_compiled_equals_the_pipeline(server, task_model_di
     from tests.test_token_classification import assert_same_entities
 
     optimization = registered(server, "minilm-ner")
+    assert_compiled_once_in_fp32_where_bf16_loses_the_answers(optimization)
     tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
     pipe = transformers.pipeline("token-classification", model=str(task_model_dirs["minilm-ner"]), device="cpu")
     bodies = [{"text": text, "aggregation_strategy": strategy}
@@ -510,6 +530,7 @@ def test_question_answering_compiled_equals_the_pipeline(server, task_model_dirs
     from tests.test_question_answering import CALLS, assert_same_answer
 
     optimization = registered(server, "minilm-qa")
+    assert_compiled_once_in_fp32_where_bf16_loses_the_answers(optimization)
     tolerance = 1e-4 if optimization["dtype"] == "float32" else 1e-2
     want = pipeline_reference.answers(task_model_dirs["minilm-qa"], CALLS)
     bodies = [*CALLS, {"question": "Who?"}]  # a bad neighbour in the same batches

@@ -1,0 +1,163 @@
+"""The ways to run a model that the ladder can try: compile (as requested), safe_compile, ipex, eager.
+
+Each rung says whether it can run here (``unavailable_reason``) and wraps a module at a precision (``apply``);
+``apply`` may be lazy, so the ladder proves every rung by running it. Pure torch; no TorchServe import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.fx.experimental import _config as fx_config
+
+from handlers.config import CompileSpec, DType, HandlerConfig, RungName
+from handlers.ipex import IPEX_BACKEND, probe_ipex
+
+Forward = Callable[..., Any]
+
+
+class Rung(ABC):
+    """One way to run the model. ``apply`` may be lazy; the ladder proves it with warmup + the quality gate."""
+
+    name: str
+
+    def unavailable_reason(self) -> str | None:
+        """Why this rung cannot be tried here, or None when it can."""
+        return None
+
+    @abstractmethod
+    def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
+        """``module`` (already in ``dtype``) run this way."""
+
+    def notes(self, device: torch.device) -> list[str]:
+        """Things the configured rung cannot do on this device, for describe."""
+        return []
+
+    def warmup_context(self, batches: int) -> contextlib.AbstractContextManager:
+        """Settings the warmup of ``batches`` batches runs under (for compile rungs: while graphs are traced)."""
+        return contextlib.nullcontext()
+
+
+class CompileRung(Rung):
+    def __init__(self, name: str, spec: CompileSpec, skip_reason: str | None = None):
+        self.name = name
+        self.spec = spec
+        self._skip_reason = skip_reason
+
+    def unavailable_reason(self) -> str | None:
+        if not self.spec.enabled:
+            return "pt2.compile.enable is not true"
+        if self._skip_reason is None and self.spec.backend == IPEX_BACKEND:
+            return probe_ipex()[1]  # importing IPEX registers its backend
+        return self._skip_reason
+
+    def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
+        compiled = torch.compile(module, **self.spec.kwargs())
+        if self.spec.uses_cuda_graphs and _device_of(module).type == "cuda":
+            return _with_cudagraph_steps(compiled)
+        return compiled
+
+    def notes(self, device: torch.device) -> list[str]:
+        """What the requested compile does not do here, said rather than pretended."""
+        if self.spec.enabled and self.spec.uses_cuda_graphs and device.type != "cuda":
+            return [f"mode {self.spec.mode}: no CUDA graphs on {device.type}; inductor compiles without them"]
+        return []
+
+    def warmup_context(self, batches: int) -> contextlib.AbstractContextManager:
+        from torch._inductor import config as inductor_config  # imports dynamo: not before the cache dir is set
+
+        stack = contextlib.ExitStack()
+        # One graph per static warmup shape: past dynamo's recompile limit (8) the rest would run eagerly,
+        # silently, both in the warmup and on live traffic.
+        # Float attributes (dropout p, layer-norm eps) as constants from the start: dynamic tracing would make
+        # them symbols, specialize them after all and trace the whole model a second time.
+        stack.enter_context(torch._dynamo.config.patch(
+            recompile_limit=max(torch._dynamo.config.recompile_limit, batches), specialize_float=True))
+        # No precompiled C++ headers: inductor keeps them under $TMPDIR, outside the compile cache, and builds
+        # them again in every new process whose kernels are not in memory, even when every kernel is already
+        # in the cache: +6 s on a new host or container with a warm cache volume. Cold compiles measured no
+        # slower without them (bench_restart.py, README: Restarts).
+        stack.enter_context(inductor_config.patch(cpp_cache_precompile_headers=False))
+        if self.spec.one_graph:
+            # Only while tracing: the guards it produces then admit batch size 1 to the same graph.
+            stack.enter_context(fx_config.patch(backed_size_oblivious=True))
+        return stack
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _with_cudagraph_steps(compiled: Forward) -> Forward:
+    """CUDA-graph trees reuse output buffers across replays: mark each call as a new step and clone the
+    outputs, so a batch never reads (or hands a client) buffers the next replay overwrites."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return _cloned(compiled(*args, **kwargs))
+
+    return forward
+
+
+def _cloned(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if isinstance(output, Mapping):
+        return {key: _cloned(value) for key, value in output.items()}
+    if isinstance(output, (list, tuple)):
+        return type(output)(_cloned(value) for value in output)
+    return output
+
+
+class IpexRung(Rung):
+    name = RungName.IPEX.value
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def unavailable_reason(self) -> str | None:
+        if self.device.type != "cpu":
+            return f"IPEX runs on CPU only; this worker uses {self.device}"
+        return probe_ipex()[1]
+
+    def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
+        ipex, reason = probe_ipex()
+        if ipex is None:
+            raise RuntimeError(reason)
+        # No channels_last: it suits convolutions, and these are transformers.
+        return ipex.optimize(module.eval(), dtype=None if dtype is DType.FLOAT32 else dtype.torch, inplace=False)
+
+
+class EagerRung(Rung):
+    name = RungName.EAGER.value
+
+    def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
+        return module
+
+
+def build_ladder(config: HandlerConfig, device: torch.device,
+                 compile_unavailable: str | None = None, inductor_unavailable: str | None = None) -> list[Rung]:
+    """The rungs named in ``pt2_handlers.ladder``, in order; eager is always last. ``compile_unavailable``
+    skips the compile rungs with that reason (e.g. no writable compile cache); ``inductor_unavailable`` skips
+    those that compile with inductor (e.g. no C++ compiler for a CPU worker)."""
+    requested = config.served_compile
+    rungs: list[Rung] = []
+
+    def unavailable(spec: CompileSpec) -> str | None:
+        return compile_unavailable or (inductor_unavailable if spec.backend == "inductor" else None)
+
+    for name in config.settings.ladder:
+        if name is RungName.COMPILE:
+            rungs.append(CompileRung(name.value, requested, skip_reason=unavailable(requested)))
+        elif name is RungName.SAFE_COMPILE:
+            same = "identical to the compile rung" if requested.safer() == requested else None
+            rungs.append(CompileRung(name.value, requested.safer(), skip_reason=unavailable(requested.safer()) or same))
+        elif name is RungName.IPEX:
+            rungs.append(IpexRung(device))
+        else:
+            rungs.append(EagerRung())
+    return rungs

@@ -1,0 +1,74 @@
+"""The ladder's order of attempts (handlers.plan), as a value: no model, no torch. Each case gives the outcome
+of every step the plan may ask for, and checks which steps it asked for, in order, and which one serves."""
+
+from __future__ import annotations
+
+import pytest
+
+from handlers.plan import REFERENCE, Outcome, Step, walk
+
+RUNGS = ("compile", "safe_compile", "ipex", "eager")
+BF16_FP32 = ("bfloat16", "float32")
+A, G, R, S = Outcome.ACCEPTED, Outcome.GATE_FAILED, Outcome.RAISED, Outcome.SKIPPED
+
+
+def run(precisions, outcomes, rungs=RUNGS):
+    """``outcomes``: {"rung@precision": Outcome}, the screen as "screen@precision"; unlisted steps raise."""
+    asked = []
+
+    def attempt(step: Step) -> Outcome:
+        key = f"{'screen' if step.screen else step.rung}@{step.precision}"
+        asked.append(key)
+        return outcomes.get(key, R)
+
+    served = walk(rungs, precisions, attempt)
+    return asked, f"{served.rung}@{served.precision}"
+
+
+@pytest.mark.parametrize(("precisions", "outcomes", "asked", "served"), [
+    # bf16 keeps the answers: compile serves bf16 after a screen.
+    (BF16_FP32, {"screen@bfloat16": A, "compile@bfloat16": A}, ["screen@bfloat16", "compile@bfloat16"],
+     "compile@bfloat16"),
+    # NER on a bf16 CPU: bf16 loses the answers even eagerly, so compile runs in fp32 at once (one compile).
+    (BF16_FP32, {"screen@bfloat16": G, "compile@float32": A}, ["screen@bfloat16", "compile@float32"],
+     "compile@float32"),
+    # The compile's own bf16 numbers fail the gate: the same compile in fp32, before any lower rung.
+    (BF16_FP32, {"screen@bfloat16": A, "compile@bfloat16": G, "compile@float32": A},
+     ["screen@bfloat16", "compile@bfloat16", "compile@float32"], "compile@float32"),
+    # A compile that raises: the next rung, at the fastest precision again.
+    (BF16_FP32, {"screen@bfloat16": A, "compile@bfloat16": R, "safe_compile@bfloat16": A},
+     ["screen@bfloat16", "compile@bfloat16", "safe_compile@bfloat16"], "safe_compile@bfloat16"),
+    # Nothing compiles, IPEX is absent: eager bf16, proven by its screen.
+    (BF16_FP32, {"screen@bfloat16": A, "compile@bfloat16": S, "safe_compile@bfloat16": S, "ipex@bfloat16": S,
+                 "eager@bfloat16": A},
+     ["screen@bfloat16", "compile@bfloat16", "safe_compile@bfloat16", "ipex@bfloat16", "eager@bfloat16"],
+     "eager@bfloat16"),
+    # Everything fails in both precisions: fp32 eager, the reference, without being asked.
+    (BF16_FP32, {"screen@bfloat16": A, "compile@bfloat16": G, "compile@float32": G, "safe_compile@bfloat16": G,
+                 "safe_compile@float32": R, "ipex@bfloat16": S, "eager@bfloat16": A},
+     ["screen@bfloat16", "compile@bfloat16", "compile@float32", "safe_compile@bfloat16", "safe_compile@float32",
+      "ipex@bfloat16", "eager@bfloat16"], "eager@bfloat16"),
+    # An AVX2 CPU: fp32 only, no screen, today's ladder.
+    (("float32",), {"compile@float32": R, "safe_compile@float32": A},
+     ["compile@float32", "safe_compile@float32"], "safe_compile@float32"),
+    (("float32",), {}, ["compile@float32", "safe_compile@float32", "ipex@float32"], "eager@float32"),
+    # bf16 alone, configured, and it loses the answers: no compile at all, fp32 eager.
+    (("bfloat16",), {"screen@bfloat16": G}, ["screen@bfloat16"], "eager@float32"),
+    # Three precisions: a failed screen skips fp16 everywhere; bf16 is screened only when reached.
+    (("float16", "bfloat16", "float32"), {"screen@float16": G, "screen@bfloat16": A, "compile@bfloat16": A},
+     ["screen@float16", "screen@bfloat16", "compile@bfloat16"], "compile@bfloat16"),
+])
+def test_the_order_of_attempts(precisions, outcomes, asked, served):
+    assert run(precisions, outcomes) == (asked, served)
+
+
+def test_no_step_is_asked_twice():
+    asked, _ = run(BF16_FP32, {"screen@bfloat16": A, "compile@bfloat16": G, "compile@float32": G,
+                               "safe_compile@bfloat16": G, "safe_compile@float32": G, "ipex@bfloat16": G,
+                               "ipex@float32": G, "eager@bfloat16": G})
+    assert len(asked) == len(set(asked))
+
+
+def test_the_reference_is_never_run():
+    asked, served = run(("float32",), {}, rungs=("eager",))
+    assert (asked, served) == ([], "eager@float32") and REFERENCE.is_reference
