@@ -103,13 +103,15 @@ def _optimization_lines(optimization: dict[str, Any]) -> list[str]:
         gate = (f", {quality['metric']} {quality['value']:.6g} (needs >= {quality['threshold']:.6g})"
                 if "value" in quality else "")
         reason = f": {attempt['reason']}" if attempt.get("reason") else ""
-        lines.append(f"    {attempt['rung']:<13} {attempt['status']:<9} {attempt.get('seconds', 0):7.1f}s"
-                     f"{gate}{reason}")
+        rung = f"{attempt['rung']} (screen)" if attempt.get("screen") else attempt["rung"]
+        lines.append(f"    {rung:<15} {attempt.get('dtype') or '':<9} {attempt['status']:<9} "
+                     f"{attempt.get('seconds', 0):7.1f}s{gate}{reason}")
     runtime = optimization.get("runtime") or {}
     if runtime:
         lines.append(f"  after READY: {runtime.get('runtime_failures')} fallbacks (demote after "
                      f"{runtime.get('max_runtime_failures')}{', DEMOTED' if runtime.get('demoted') else ''}), "
-                     f"{runtime.get('compiles_after_ready')} compiles, {runtime.get('eager_batches')} eager batches "
+                     f"{runtime.get('compiles_after_ready')} compiles, {runtime.get('eager_batches')} eager batches, "
+                     f"{runtime.get('frames_given_up', 0)} frames dynamo gave up on "
                      f"(stance {runtime.get('after_ready')})")
     cache = optimization.get("compile_cache") or {}
     if cache:
