@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -268,6 +269,41 @@ def test_threads_share_the_cores_among_workers(monkeypatch):
     assert resolve_threads(None, 4, cpu).value == 1
     assert resolve_threads(3, 2, cpu).value == 3
     assert load_config({"minWorkers": 2}).workers == 2
+
+
+def test_threads_auto_follows_omp_num_threads_where_a_launcher_set_it(monkeypatch):
+    """TorchServe's cpu_launcher pins each worker to its own cores and sets OMP_NUM_THREADS for it: dividing
+    those cores by minWorkers again would leave cores idle."""
+    import handlers.hardware as hardware
+
+    monkeypatch.setattr(hardware, "available_cores", lambda: 8)
+    cpu = torch.device("cpu")
+    choice = resolve_threads(None, 2, cpu, {"OMP_NUM_THREADS": "4"})
+    assert (choice.value, choice.reason) == (4, "auto: OMP_NUM_THREADS=4 in this worker's environment")
+    assert resolve_threads(None, 2, cpu, {"OMP_NUM_THREADS": "0"}).value == 4  # not a setting: cores / workers
+    assert resolve_threads(None, 2, cpu, {}).value == 4
+    assert resolve_threads(2, 2, cpu, {"OMP_NUM_THREADS": "4"}).value == 2  # the YAML wins
+
+
+@pytest.mark.parametrize(("files", "quota"), [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "200000 100000\n"}, 2.0),
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ({}, None),
+])
+def test_a_container_cpu_limit_caps_the_usable_cores(tmp_path, files, quota):
+    """A Kubernetes limits.cpu is a cgroup quota, not an affinity: threads auto must not exceed it (each thread
+    past it waits in OpenMP barriers for time the container no longer has)."""
+    from handlers.hardware import available_cores, cpu_quota
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_quota(tmp_path) == quota
+    affinity = len(os.sched_getaffinity(0))
+    assert available_cores(tmp_path) == (affinity if quota is None else max(1, min(affinity, int(quota))))
 
 
 def test_safer_compile_drops_the_risky_parts():

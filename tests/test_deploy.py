@@ -156,6 +156,20 @@ def test_the_kserve_inference_service_runs_the_same_pod(cluster, kserve):
     assert containers["kserve-container"]["env"] == deployment["auth-proxy"]["env"]
 
 
+def test_every_pod_is_guaranteed_with_whole_cpus_for_the_worker(cluster, kserve):
+    """requests == limits in every container (Guaranteed QoS), and whole CPUs for TorchServe, so the kubelet's
+    static CPU manager can give the worker cores of its own: a shared core stalls its OpenMP kernels."""
+    pods = {"Deployment": cluster["Deployment"]["spec"]["template"]["spec"],
+            "InferenceService": kserve["InferenceService"]["spec"]["predictor"]}
+    for kind, pod in pods.items():
+        for container in pod["containers"]:
+            resources = container.get("resources", {})
+            assert resources.get("requests") == resources.get("limits") and {"cpu", "memory"} <= set(
+                resources.get("limits", {})), (kind, container["name"], resources)
+            if container["name"] == "torchserve":
+                assert str(resources["limits"]["cpu"]).isdigit(), (kind, resources)
+
+
 def rendered_proxy(token: str) -> str:
     """The template as nginx's image renders it: only ${API_TOKEN} substituted (NGINX_ENVSUBST_FILTER)."""
     return (SHARED / "nginx.conf.template").read_text().replace("${API_TOKEN}", token)
