@@ -145,7 +145,8 @@ class Engine:
         guard = self._guard
         return {"active": self.active_rung or "none", "runtime_failures": guard.failures if guard else 0,
                 "compiles_after_ready": guard.compiles if guard else 0,
-                "eager_batches": guard.eager_batches if guard else 0}
+                "eager_batches": guard.eager_batches if guard else 0,
+                "frames_given_up": guard.frames_given_up if guard else 0}
 
     def predict(self, bodies: Sequence[Any], emit: Emit | None = None) -> list[Any]:
         """One answer per body, in order: a JSON-able result, or the HandlerError for that body alone.

@@ -77,16 +77,20 @@ class Pt2Handler(BaseHandler):
         self.engine.load()
         self.context = context
         pid = str(os.getpid())
-        for attempt in self.engine.attempts:
-            self._counter("Pt2RungAttempts", 1, Rung=attempt.rung, Status=attempt.status.value)
-            self._gauge("Pt2RungSeconds", attempt.seconds, "s", Rung=attempt.rung, Status=attempt.status.value,
-                               WorkerPid=pid)
+        for attempt in self.engine.attempts:  # each rung x precision tried, the screens included
+            tried = {"Rung": attempt.rung, "Precision": attempt.dtype or "none", "Status": attempt.status.value}
+            self._counter("Pt2RungAttempts", 1, **tried)
+            self._gauge("Pt2RungSeconds", attempt.seconds, "s", **tried, WorkerPid=pid)
+            if attempt.quality is not None:
+                self._gauge("Pt2RungGateValue", attempt.quality.value, "ratio", **tried, WorkerPid=pid)
         self._gauge("Pt2LoadSeconds", self.engine.load_seconds or 0.0, "s", WorkerPid=pid)
-        self._gauge("Pt2ActiveRung", 1, "count", Rung=self.engine.active_rung or "none", WorkerPid=pid)
+        self._gauge("Pt2ActiveRung", 1, "count", Rung=self.engine.active_rung or "none",
+                    Precision=self.engine.dtype.value.value, WorkerPid=pid)
         # Counters start at 0, so a scrape shows them (and rate() works) before the first event.
         self._counter("Pt2RuntimeFallbacks", 0, Rung=self.engine.active_rung or "none")
         self._counter("Pt2CompilesAfterReady", 0)
         self._counter("Pt2EagerBatches", 0)
+        self._counter("Pt2FramesGivenUp", 0)
         self.initialized = True
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
@@ -129,13 +133,15 @@ class Pt2Handler(BaseHandler):
         if after["runtime_failures"] > before["runtime_failures"]:
             self._counter("Pt2RuntimeFallbacks", after["runtime_failures"] - before["runtime_failures"],
                             Rung=before["active"])
-        for counter, name in (("compiles_after_ready", "Pt2CompilesAfterReady"), ("eager_batches", "Pt2EagerBatches")):
+        for counter, name in (("compiles_after_ready", "Pt2CompilesAfterReady"), ("eager_batches", "Pt2EagerBatches"),
+                              ("frames_given_up", "Pt2FramesGivenUp")):
             if after[counter] > before[counter]:
                 self._counter(name, after[counter] - before[counter])
-        if after["active"] != before["active"]:  # demoted: this worker now serves another rung
+        if after["active"] != before["active"]:  # demoted: this worker now serves fp32 eager
             pid = str(os.getpid())
-            self._gauge("Pt2ActiveRung", 0, "count", Rung=before["active"], WorkerPid=pid)
-            self._gauge("Pt2ActiveRung", 1, "count", Rung=after["active"], WorkerPid=pid)
+            self._gauge("Pt2ActiveRung", 0, "count", Rung=before["active"], Precision=engine.dtype.value.value,
+                        WorkerPid=pid)
+            self._gauge("Pt2ActiveRung", 1, "count", Rung=after["active"], Precision="float32", WorkerPid=pid)
         batch = engine.last_batch
         for stage, milliseconds in batch.milliseconds.items():
             self._gauge("Pt2StageMilliseconds", milliseconds, "ms", Stage=stage)

@@ -803,17 +803,21 @@ def test_prometheus_metrics_show_the_ladder_and_each_batch(server):
         return [(labels, value) for labels, value in metrics.get(name, []) if labels.get("ModelName") == model]
 
     pids = {str(w["pid"]) for w in describe(server)["workers"]}
-    active = {labels["WorkerPid"]: labels["Rung"] for labels, value in of("Pt2ActiveRung") if value == 1}
-    assert pids <= active.keys() and {active[pid] for pid in pids} == {"compile"}, (pids, active)
-    assert any(labels["Rung"] == "compile" and labels["Status"] == "accepted" and value >= 1
-               for labels, value in of("Pt2RungAttempts"))
+    served = describe(server)["customizedMetadata"]["optimization"]["dtype"]
+    active = {labels["WorkerPid"]: (labels["Rung"], labels["Precision"]) for labels, value in of("Pt2ActiveRung")
+              if value == 1}
+    assert pids <= active.keys() and {active[pid] for pid in pids} == {("compile", served)}, (pids, active)
+    assert any(labels["Rung"] == "compile" and labels["Precision"] == served and labels["Status"] == "accepted"
+               and value >= 1 for labels, value in of("Pt2RungAttempts"))
     assert any(labels["Rung"] == "compile" and value > 0 for labels, value in of("Pt2RungSeconds"))
+    gates = {(labels["Rung"], labels["Precision"], labels["Status"]): value for labels, value in of("Pt2RungGateValue")}
+    assert gates[("compile", served, "accepted")] >= 0.999, gates
     assert all(value > 0 for _, value in of("Pt2LoadSeconds")) and of("Pt2LoadSeconds")
     stages = {labels["Stage"]: value for labels, value in of("Pt2StageMilliseconds")}
     assert stages.keys() == {"parse", "preprocess", "forward", "postprocess"} and stages["forward"] > 0, stages
     assert [value for _, value in of("Pt2BatchRequests")][0] >= 1
     assert 0 <= [value for _, value in of("Pt2PaddingPercent")][0] < 100
-    for counter in ("Pt2RuntimeFallbacks", "Pt2CompilesAfterReady", "Pt2EagerBatches"):
+    for counter in ("Pt2RuntimeFallbacks", "Pt2CompilesAfterReady", "Pt2EagerBatches", "Pt2FramesGivenUp"):
         assert [value for _, value in of(counter)] == [0.0], (counter, of(counter))
     demoted = of("Pt2RuntimeFallbacks", "minilm-breaks")  # present when the demotion test ran before this one
     if demoted:
