@@ -305,6 +305,38 @@ def test_a_compile_that_dynamo_gives_up_on_is_not_accepted_as_compiled(batches):
     assert result.active == "eager"
 
 
+class CountingEncoder(torch.nn.Module):
+    """A real (tiny) BERT encoder whose wrapper keeps a Python int that grows every call, as a module that counts
+    its calls or a position kept on ``self`` would: dynamo guards on the int, so every call recompiles until it
+    gives up on the frame and runs it eagerly, without an error."""
+
+    def __init__(self, model_dir):
+        super().__init__()
+        import transformers
+
+        self.bert = transformers.AutoModel.from_pretrained(model_dir).eval()
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask):
+        self.calls += 1
+        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return hidden[:, 0] * (1 + 0 * self.calls)
+
+
+def test_an_encoder_that_recompiles_every_call_is_not_accepted_as_compiled(tiny_bert_dir):
+    torch._dynamo.reset()
+    encoder = CountingEncoder(tiny_bert_dir)
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(1000, 2000, (rows, 16), generator=generator),
+                "attention_mask": torch.ones(rows, 16, dtype=torch.long)} for rows in (1, 2)]
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    result = ladder(encoder, [CompileRung("compile", spec), EagerRung()], batches)
+    failed = result.attempts[0]
+    assert (failed.rung, failed.status, result.active) == ("compile", AttemptStatus.FAILED, "eager"), failed
+    assert failed.reason.startswith("NotCompiled: "), failed.reason
+    assert failed.dynamo is not None and failed.dynamo.graphs >= len(batches)
+
+
 class GraphBreak(torch.nn.Module):
     def __init__(self):
         super().__init__()
