@@ -52,7 +52,9 @@ def stage(model_dir: Path, staging: Path, extra_files: tuple[Path, ...] = ()) ->
         shutil.copy(extra, staging / extra.name)
 
 
-def archiver_command(name: str, version: str, staging: Path, config: Path, export_path: Path) -> list[str]:
+def archiver_command(name: str, version: str, staging: Path, config: Path, export_path: Path,
+                     archive_format: str = "default") -> list[str]:
+    """``archive_format``: torch-model-archiver's; "no-archive" writes a directory TorchServe serves as it is."""
     archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
     return [
         archiver,
@@ -62,7 +64,7 @@ def archiver_command(name: str, version: str, staging: Path, config: Path, expor
         "--extra-files", str(staging),
         "--config-file", str(config),
         "--export-path", str(export_path),
-        "--archive-format", "default",
+        "--archive-format", archive_format,
         "--force",
     ]
 
@@ -100,7 +102,7 @@ def check_weights(model_dir: Path) -> None:
 
 
 def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",
-          extra_files: tuple[Path, ...] = ()) -> Path:
+          extra_files: tuple[Path, ...] = (), archive_format: str = "default") -> Path:
     check_name(name)
     check_weights(model_dir)
     check_config(config, extra_files)
@@ -110,11 +112,12 @@ def build(name: str, model_dir: Path, config: Path, export_path: Path, version: 
         staging = Path(tmp) / "archive"
         print(f"[package] staging handlers/ and {model_dir} ...", flush=True)
         stage(model_dir, staging, extra_files)
-        command = archiver_command(name, version, staging, config, export_path)
+        command = archiver_command(name, version, staging, config, export_path, archive_format)
         print("[package] running:", shlex.join(command), flush=True)
         subprocess.run(command, check=True)
-    archive = export_path / f"{name}.mar"
-    size_mb = archive.stat().st_size / 1e6
+    archive = export_path / (name if archive_format == "no-archive" else f"{name}.mar")
+    files = [archive] if archive.is_file() else [path for path in archive.rglob("*") if path.is_file()]
+    size_mb = sum(path.stat().st_size for path in files) / 1e6
     print(f"[package] wrote {archive} ({size_mb:.1f} MB) in {time.perf_counter() - started:.1f}s", flush=True)
     return archive
 

@@ -1,33 +1,41 @@
-"""Task registry: one adapter class per task, like transformers' SUPPORTED_TASKS."""
+"""Task registry: one adapter class per task, like transformers' SUPPORTED_TASKS.
+
+Lazy on purpose: a task module imports transformers' models and pipelines, and those import
+``torch._dynamo``, which dies on an unusable compile-cache directory. The TorchServe handler imports this
+package before it has checked that directory (handlers.compile_cache), so a task module is imported only
+when ``check_task`` is asked for its class.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from handlers.config import did_you_mean
 from handlers.errors import ConfigError
 from handlers.tasks.base import Task
-from handlers.tasks.classification import TextClassificationTask
-from handlers.tasks.embeddings import EmbeddingsTask
-from handlers.tasks.generation import TextGenerationTask
-from handlers.tasks.question_answering import QuestionAnsweringTask
-from handlers.tasks.token_classification import TokenClassificationTask
 
-TASKS: Mapping[str, type[Task]] = MappingProxyType({
-    task.name: task for task in (
-        EmbeddingsTask, TextClassificationTask, TokenClassificationTask, QuestionAnsweringTask,
-        TextGenerationTask)
+# task name -> "module:class" of its adapter
+TASK_LOCATIONS: Mapping[str, str] = MappingProxyType({
+    "embeddings": "handlers.tasks.embeddings:EmbeddingsTask",
+    "text-classification": "handlers.tasks.classification:TextClassificationTask",
+    "token-classification": "handlers.tasks.token_classification:TokenClassificationTask",
+    "question-answering": "handlers.tasks.question_answering:QuestionAnsweringTask",
+    "text-generation": "handlers.tasks.generation:TextGenerationTask",
 })
+TASK_NAMES: tuple[str, ...] = tuple(TASK_LOCATIONS)  # listing them imports no task module
 
 
 def check_task(name: str, path: str = "task") -> type[Task]:
-    """The adapter class for ``name``; a ConfigError listing the valid names otherwise."""
+    """The adapter class for ``name`` (its module imported now); a ConfigError listing the valid names otherwise."""
     try:
-        return TASKS[name]
+        location = TASK_LOCATIONS[name]
     except KeyError:
-        raise ConfigError(f"{path}: unknown task {name!r}{did_you_mean(name, TASKS)}; "
-                          f"use one of: {', '.join(sorted(TASKS))}") from None
+        raise ConfigError(f"{path}: unknown task {name!r}{did_you_mean(name, TASK_NAMES)}; "
+                          f"use one of: {', '.join(sorted(TASK_NAMES))}") from None
+    module_name, _, class_name = location.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
-__all__ = ["TASKS", "Task", "check_task"]
+__all__ = ["TASK_LOCATIONS", "TASK_NAMES", "Task", "check_task"]

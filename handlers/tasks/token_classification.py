@@ -18,15 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
-from transformers.pipelines.token_classification import AggregationStrategy
 
 from handlers import open_inference
 from handlers.errors import InvalidInput, ModelLoadError
 from handlers.tasks.base import Encoded, ScoredTask
+
+if TYPE_CHECKING:  # transformers.pipelines imports torch._dynamo: imported where used, not at import
+    from transformers.pipelines.token_classification import AggregationStrategy
 
 OPTIONS = ("aggregation_strategy", "ignore_labels")
 
@@ -64,7 +66,7 @@ class TokenClassificationTask(ScoredTask):
 
     def parse(self, body: Any) -> TokenRequest:
         if isinstance(body, str):
-            return TokenRequest(self.texts_of(body, "the text"), AggregationStrategy.NONE, None, many=False)
+            return TokenRequest(self.texts_of(body, "the text"), _aggregation(None), None, many=False)
         if not isinstance(body, Mapping):
             raise InvalidInput(f"expected text or a JSON object, got JSON {type(body).__name__}")
         present = [key for key in ("text", "inputs") if key in body]
@@ -116,6 +118,8 @@ class TokenClassificationTask(ScoredTask):
 
 
 def _aggregation(value: Any) -> AggregationStrategy:
+    from transformers.pipelines.token_classification import AggregationStrategy
+
     allowed = ", ".join(strategy.value for strategy in AggregationStrategy)
     if value is None:
         return AggregationStrategy.NONE
