@@ -31,7 +31,7 @@ def check(paths: list[Path], import_dirs: list[Path]) -> int:
                         if config.compile.enabled else "compile off")
         print(f"{path}: ok: task {settings.task}, {compile_text}, ladder "
               f"{'/'.join(rung.value for rung in settings.ladder)}, shapes {settings.shapes.kind.value}, "
-              f"dtype {settings.dtype.value}")
+              f"dtype {'/'.join(d.value for d in settings.dtype)}")
         for warning in config.warnings:
             print(f"{path}: warning: {warning}")
     return invalid
