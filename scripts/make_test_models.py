@@ -11,6 +11,8 @@ their answers mean nothing, but they are the same on every machine, which is all
     minilm-qa            question-answering: start/end logits over the context
     tiny-llama           text-generation: a 4-layer Llama (grouped-query attention, RoPE) and a byte-level
                          BPE tokenizer trained on MiniLM's vocabulary words
+    tiny-qwen2-hybrid    text-generation: a 4-layer Qwen2 whose layers alternate full and sliding-window
+                         attention (a window of 16 tokens: a hybrid static cache), with tiny-llama's tokenizer
 """
 
 from __future__ import annotations
@@ -54,11 +56,10 @@ def _labels(names: list[str], **config: object) -> dict[str, object]:
             "label2id": {name: index for index, name in enumerate(names)}, **config}
 
 
-def _tiny_llama(out: Path) -> None:
-    """A small Llama with a GPT-2-style byte-level BPE tokenizer (2,048 tokens, ``<|endoftext|>`` as BOS, EOS and
-    padding). Byte-level tokens can end inside a multi-byte character, which is what streaming must handle."""
+def _byte_level_tokenizer():
+    """A GPT-2-style byte-level BPE tokenizer (2,048 tokens, ``<|endoftext|>`` as BOS, EOS and padding). Byte-level
+    tokens can end inside a multi-byte character, which is what streaming must handle."""
     import tokenizers
-    import torch
     import transformers
 
     words = [word.removeprefix("##") for word in (minilm_dir() / "vocab.txt").read_text().split("\n")
@@ -70,14 +71,40 @@ def _tiny_llama(out: Path) -> None:
         vocab_size=2048, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator((" ".join(words[i:i + 12]) for i in range(0, len(words), 12)), trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>",
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>",
                                                 eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def _tiny_llama(out: Path) -> None:
+    """A small Llama with the byte-level tokenizer."""
+    import torch
+    import transformers
+
+    fast = _byte_level_tokenizer()
     torch.manual_seed(SEED)
     config = transformers.LlamaConfig(
         vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
     transformers.LlamaForCausalLM(config).eval().save_pretrained(out)
+    fast.save_pretrained(out)
+
+
+def _tiny_qwen2_hybrid(out: Path) -> None:
+    """A small Qwen2 whose layers alternate full and sliding-window attention: its static cache mixes full layers
+    with sliding ones, and the window (16 tokens) is shorter than a decode, so it fills and rolls."""
+    import torch
+    import transformers
+
+    fast = _byte_level_tokenizer()
+    torch.manual_seed(SEED)
+    config = transformers.Qwen2Config(
+        vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+        use_sliding_window=True, sliding_window=16,
+        layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    transformers.Qwen2ForCausalLM(config).eval().save_pretrained(out)
     fast.save_pretrained(out)
 
 
@@ -91,6 +118,7 @@ MODELS: dict[str, Callable[[Path], None]] = {
     "minilm-ner": _head("AutoModelForTokenClassification", "classifier", 20.0, **_labels(NER_LABELS)),
     "minilm-qa": _head("AutoModelForQuestionAnswering", "qa_outputs", 20.0),
     "tiny-llama": _tiny_llama,
+    "tiny-qwen2-hybrid": _tiny_qwen2_hybrid,
 }
 
 

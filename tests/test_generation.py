@@ -1,11 +1,14 @@
 """text-generation: greedy tokens identical to ``model.generate(do_sample=False)`` and text equal to the
 ``text-generation`` pipeline, with the decode step compiled; batches of different lengths and max_new_tokens equal
 to each request alone; seeded sampling reproducible in any batch; stop strings; streamed chunks that concatenate to
-the answer; bad inputs answered 400 beside good neighbours; faults in the compiled step retried eagerly. Through
-TorchServe (chunked HTTP streaming, server-side batching) in test_torchserve.py."""
+the answer; bad inputs answered 400 beside good neighbours; faults in the compiled step retried eagerly; the decode
+step compiled for real (one graph per bucket, no graph break, nothing compiled after the warmup) for a full-attention
+and a hybrid sliding-window cache. Through TorchServe (chunked HTTP streaming, server-side batching) in
+test_torchserve.py."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,27 @@ PROMPTS = [
 ]
 
 
+@dataclass(frozen=True)
+class DynamoCounts:
+    graphs: int  # graphs compiled
+    graph_breaks: int  # places a frame was split, with eager Python between its graphs
+    frames_given_up: int  # frames dynamo was asked to compile and ran eagerly instead (no error is raised)
+
+    def __sub__(self, before: DynamoCounts) -> DynamoCounts:
+        return DynamoCounts(self.graphs - before.graphs, self.graph_breaks - before.graph_breaks,
+                            self.frames_given_up - before.frames_given_up)
+
+
+def dynamo_counts() -> DynamoCounts:
+    """Dynamo's own counters for this process so far (read from torch, not through handlers.dynamo_watch: these
+    tests judge the handler by dynamo itself)."""
+    from torch._dynamo.utils import counters
+
+    return DynamoCounts(graphs=counters["stats"]["unique_graphs"],
+                        graph_breaks=sum(counters["graph_break"].values()),
+                        frames_given_up=counters["frames"]["total"] - counters["frames"]["ok"])
+
+
 def engine_for(model_dir: Path, **settings) -> Engine:
     """The shipped text-generation YAML, pointed at ``model_dir``, with ``settings`` laid over pt2_handlers (a
     ``pt2`` key replaces the compile section)."""
@@ -46,10 +70,28 @@ def llama_dir(task_model_dirs) -> Path:
 
 
 @pytest.fixture(scope="module")
-def compiled(llama_dir) -> Engine:
+def compiled_load(llama_dir) -> tuple[Engine, DynamoCounts]:
+    """tiny-llama (full attention) as shipped: inductor, buckets 1x256 and 4x256; and what dynamo did at load."""
+    before = dynamo_counts()
     engine = engine_for(llama_dir)
     assert engine.active_rung == "compile", engine.describe()["optimization"]["attempts"]
-    return engine
+    return engine, dynamo_counts() - before
+
+
+@pytest.fixture(scope="module")
+def compiled(compiled_load) -> Engine:
+    return compiled_load[0]
+
+
+@pytest.fixture(scope="module")
+def hybrid_load(task_model_dirs) -> tuple[Engine, DynamoCounts]:
+    """tiny-qwen2-hybrid (full and sliding-window layers, a 16-token window that fills within a decode) with the
+    shipped inductor compile over small buckets (1x32, 2x32); and what dynamo did at load."""
+    before = dynamo_counts()
+    engine = engine_for(task_model_dirs["tiny-qwen2-hybrid"], max_length=32, ladder=["compile", "eager"],
+                        shapes={"batch_sizes": [1, 2], "seq_lengths": [32]})
+    assert engine.active_rung == "compile", engine.describe()["optimization"]["attempts"]
+    return engine, dynamo_counts() - before
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +161,42 @@ def test_the_decode_step_is_what_compiles(compiled):
     assert optimization["dtype"] == "float32" and optimization["shapes"]["seq_lengths"] == [256]
     assert optimization["shapes"]["batch_sizes"] == [1, 4]
     assert compiled.describe()["inputs"] == {"max_length": 256, "too_long": "reject", "default_max_new_tokens": 64}
+
+
+@pytest.mark.parametrize("loaded", ["compiled_load", "hybrid_load"])
+def test_the_decode_step_compiles_one_graph_per_bucket_and_nothing_after_the_warmup(loaded, request):
+    """Dynamo can run a frame eagerly without an error (a guard that changes every step, the recompile limit, a
+    graph break): its own counters say whether the step really compiled, and stays compiled."""
+    engine, at_load = request.getfixturevalue(loaded)
+    buckets = engine.shapes.warmup_shapes()
+    assert at_load == DynamoCounts(graphs=len(buckets), graph_breaks=0, frames_given_up=0)
+    task = engine._task
+    before = dynamo_counts()
+    for batch in task.warmup_batches(buckets):  # the same buckets again, through the served step
+        task.prove(engine.forward_step, batch)
+    assert dynamo_counts() - before == DynamoCounts(graphs=0, graph_breaks=0, frames_given_up=0)
+    runtime = engine.describe()["optimization"]["runtime"]
+    assert runtime["eager_batches"] == 0 and runtime["compiles_after_ready"] == 0
+
+
+def test_a_sliding_window_model_generates_what_generate_does(hybrid_load, task_model_dirs):
+    """The sliding layers of its cache are full-length, their window kept by the mask: the same tokens as
+    ``model.generate``, whose cache drops what leaves the window (prompts past the 16-token window too)."""
+    import transformers
+
+    engine, _ = hybrid_load
+    model_dir = task_model_dirs["tiny-qwen2-hybrid"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompts = [("Hi", 12), ("The weather in Paris is", 14), ("one two three four five six seven eight nine ten", 12)]
+    bodies = [{"text": prompt, "max_new_tokens": max_new, "details": True} for prompt, max_new in prompts]
+    answers = engine.predict(bodies)  # batches of 2 and 1, left-padded
+    for (prompt, max_new), answer in zip(prompts, answers, strict=True):
+        inputs = tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            ids = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
+        assert answer[0]["details"]["token_ids"] == ids[0, inputs["input_ids"].shape[1]:].tolist(), prompt
+    assert [len(tokenizer(prompt)["input_ids"]) for prompt, _ in prompts] == [2, 10, 19]  # the last one: past 16
 
 
 def test_sampling_with_a_seed_is_reproducible_in_any_batch(compiled):

@@ -16,12 +16,14 @@ Accepted bodies:
 How it runs: a batch's prompts, left-padded, are prefilled by one eager forward that fills the KV cache; then
 each new token costs one *decode step* through the accepted rung. The KV cache is static (transformers'
 ``StaticCache``, one per (batch, cache length) bucket of the shape policy), so every step of a bucket has the
-same shapes: compiled once per bucket at load, never after READY. Greedy tokens are the gate: a rung is
-accepted only if its greedy tokens equal fp32 eager's on the warmup prompts.
+same shapes and the same guards: one graph per bucket, compiled at load, never after READY. Sliding-window
+layers get full-length static layers (see ``static_cache``). Greedy tokens are the gate: a rung is accepted
+only if its greedy tokens equal fp32 eager's on the warmup prompts.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import secrets
@@ -89,19 +91,26 @@ class GenerationBatch:
 
 
 class DecodeStep(torch.nn.Module):
-    """The causal LM over new tokens: writes their keys and values into the static cache at ``cache_position``
-    and returns the float logits at each row's last position. The prefill runs it eagerly over the prompts,
-    the decode loop compiled over one token per row."""
+    """The causal LM over new tokens: appends their keys and values to the static cache (which counts its own
+    positions, in a tensor) and returns the float logits at each row's last position. The prefill runs it
+    eagerly over the prompts, the decode loop compiled over one token per row."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
+        declared = inspect.signature(model.forward).parameters
+        # transformers 5.x renamed past_key_values to cache (the old name goes in 5.40). A model that does not
+        # declare cache would swallow it in **kwargs and decode without its past, so ask the signature.
+        self.cache_keyword = "cache" if "cache" in declared else "past_key_values"
+        # Earlier models write the cache at cache_position; later ones count positions in the cache itself.
+        self.takes_cache_position = "cache_position" in declared
 
     def forward(self, attention_mask: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                cache_position: torch.Tensor, past_key_values: Any) -> torch.Tensor:
+                cache_position: torch.Tensor, cache: transformers.Cache) -> torch.Tensor:
+        extra = {"cache_position": cache_position} if self.takes_cache_position else {}
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          cache_position=cache_position, past_key_values=past_key_values, use_cache=True,
-                          logits_to_keep=1).logits[:, -1].float()
+                          use_cache=True, logits_to_keep=1, **{self.cache_keyword: cache}, **extra,
+                          ).logits[:, -1].float()
 
 
 class Completion:
@@ -356,7 +365,7 @@ class TextGenerationTask(Task):
         """One static cache per bucket, kept: the compiled step is specialized to its tensors."""
         key = (rows, cache_length)
         if key not in self._caches:
-            self._caches[key] = transformers.StaticCache(config=self._model_config, max_cache_len=cache_length)
+            self._caches[key] = static_cache(self._model_config, cache_length)
         cache = self._caches[key]
         cache.reset()
         return cache
@@ -377,7 +386,7 @@ class TextGenerationTask(Task):
             positions = (batch.attention_mask.cumsum(dim=1) - 1).clamp(min=0).to(device)
             # The prefill runs eagerly: its shape changes with every prompt, and it runs once per batch.
             logits = self._step(attention_mask=mask, input_ids=batch.input_ids.to(device), position_ids=positions,
-                                cache_position=torch.arange(prompt_length, device=device), past_key_values=cache)
+                                cache_position=torch.arange(prompt_length, device=device), cache=cache)
             next_position = positions[:, -1:] + 1
             for index in range(max(request.max_new_tokens for request in batch.requests[:batch.real])):
                 tokens = self._pick(logits, batch.requests, generators)
@@ -396,7 +405,7 @@ class TextGenerationTask(Task):
                 mask[:, position] = 1
                 logits = step(attention_mask=mask, input_ids=tokens.unsqueeze(1).to(device),
                               position_ids=next_position, cache_position=torch.tensor([position], device=device),
-                              past_key_values=cache)
+                              cache=cache)
                 next_position = next_position + 1
         return completions
 
@@ -425,6 +434,22 @@ class TextGenerationTask(Task):
                     "seed": request.sampling.seed if request.sampling else None}
             answers.append([answer])
         return answers
+
+
+def static_cache(config: Any, cache_length: int) -> transformers.StaticCache:
+    """transformers' static cache for ``config``, its sliding-window layers made full-length static layers.
+
+    A sliding layer counts its length in a Python int, which dynamo guards on: every decode step would compile
+    a new graph until the recompile limit, and then run eagerly. A full-length layer counts in a tensor; the
+    sliding-window *mask*, built from the config as before, still keeps each query to its window, so the tokens
+    are the same (the keys past the window are kept but masked). It holds cache_length positions instead of
+    the window's, as full layers do. Chunked-attention layers use the same class and are swapped too: their
+    chunks are masks as well (only sliding windows are tested here)."""
+    cache = transformers.StaticCache(config=config, max_cache_len=cache_length)
+    cache.layers = [transformers.StaticLayer(max_cache_len=cache_length)
+                    if type(layer) is transformers.StaticSlidingWindowLayer else layer  # not its hybrid subclasses
+                    for layer in cache.layers]
+    return cache
 
 
 def _cache_needed(requests: Sequence[GenerationRequest]) -> int:
