@@ -46,9 +46,10 @@ def dynamo_counts() -> DynamoCounts:
     )
 
 
-def steady_state_problem(first_pass: DynamoCounts, second_pass: DynamoCounts) -> str | None:
-    """Why a compiled forward is not really compiled, judged from the warmup (``first_pass``) and a second,
-    identical pass (``second_pass``); None when every frame compiled and the second pass compiled nothing."""
+def steady_state_problem(first_pass: DynamoCounts, second_pass: DynamoCounts, shapes: int) -> str | None:
+    """Why a compiled forward is not really compiled, judged from the warmup over ``shapes`` batch shapes
+    (``first_pass``) and a second, identical pass (``second_pass``); None when every frame compiled, no shape
+    needed more graphs than its graph breaks explain, and the second pass compiled nothing."""
     given_up = first_pass.frames_given_up + second_pass.frames_given_up
     if given_up:
         why = "; ".join(first_pass.given_up_why + second_pass.given_up_why) or "see the worker log"
@@ -56,4 +57,10 @@ def steady_state_problem(first_pass: DynamoCounts, second_pass: DynamoCounts) ->
     if second_pass.graphs:
         return (f"the second warmup pass compiled {second_pass.graphs} new graph(s): the steady state keeps "
                 "recompiling (a guard that changes every call?)")
+    # One graph per shape, plus one per graph break. More means a guard changed between calls of the same shape
+    # (e.g. a Python int that grows each decode step): calls past the warmup would recompile, or run eagerly.
+    expected = shapes * (1 + first_pass.graph_breaks)
+    if first_pass.graphs > expected:
+        return (f"the warmup compiled {first_pass.graphs} graphs for {shapes} shape(s) (at most {expected} "
+                "expected): a guard changes between calls, so later calls would recompile or run eagerly")
     return None

@@ -242,7 +242,7 @@ def _check_steady_state(forward: Forward, batches: Sequence[Any], run: Run, befo
     with torch.inference_mode():
         for batch in batches:
             run(forward, batch)
-    problem = steady_state_problem(first, dynamo_counts() - before - first)
+    problem = steady_state_problem(first, dynamo_counts() - before - first, shapes=len(batches))
     if problem is not None:
         raise NotCompiled(problem, first)
     if first.graph_breaks:

@@ -179,6 +179,29 @@ def test_the_decode_step_compiles_one_graph_per_bucket_and_nothing_after_the_war
     assert runtime["eager_batches"] == 0 and runtime["compiles_after_ready"] == 0
 
 
+def test_a_decode_step_that_recompiles_every_token_is_not_accepted_as_compiled(task_model_dirs, monkeypatch):
+    """The provoking case, kept: transformers' own static cache for a sliding-window model counts its length in a
+    Python int, so each decode step guards on a new value and recompiles, until dynamo gives up on the frame and
+    runs it eagerly, without an error. The ladder must see it (dynamo's counters over the warmup) and refuse the
+    rung, not call it compiled; fp32 eager then serves."""
+    import transformers
+
+    from handlers.tasks import generation
+
+    monkeypatch.setattr(generation, "static_cache", lambda config, cache_length: transformers.StaticCache(
+        config=config, max_cache_len=cache_length))
+    torch._dynamo.reset()
+    engine = engine_for(task_model_dirs["tiny-qwen2-hybrid"], max_length=32, ladder=["compile", "eager"],
+                        shapes={"batch_sizes": [1], "seq_lengths": [32]},
+                        pt2={"compile": {"enable": True, "backend": "eager"}})
+    optimization = engine.describe()["optimization"]
+    refused = optimization["attempts"][0]
+    assert (refused["rung"], refused["status"], optimization["active"]) == ("compile", "failed", "eager"), refused
+    assert refused["reason"].startswith("NotCompiled: "), refused["reason"]
+    assert "the warmup compiled" in refused["reason"] and "a guard changes between calls" in refused["reason"]
+    assert refused["dynamo"]["graphs"] > 1 and refused["dynamo"]["frames_given_up"] == 0  # one graph per token
+
+
 def test_a_sliding_window_model_generates_what_generate_does(hybrid_load, task_model_dirs):
     """The sliding layers of its cache are full-length, their window kept by the mask: the same tokens as
     ``model.generate``, whose cache drops what leaves the window (prompts past the 16-token window too)."""
