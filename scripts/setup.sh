@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Create (or reuse) a profile's venv.
+# Create (or reuse) a profile's venv, installed with pip install -c constraints/<profile>.txt: every version it
+# holds is pinned there, so a fresh machine gets what CI got.
 #
-#   bash scripts/setup.sh                   default profile in .venv: torch 2.13.0 CPU, TorchServe, transformers
-#   bash scripts/setup.sh --profile ipex    ipex profile in .venv-ipex: torch 2.8.0 + intel-extension-for-pytorch 2.8.0
-#   bash scripts/setup.sh --ipex-wheel      print a directory holding the unpacked IPEX 2.8.0 wheel (no install),
-#                                           for the test that puts it beside torch 2.13 (a version mismatch)
+#   bash scripts/setup.sh                   default profile in .venv: torch 2.13.0 CPU, TorchServe, transformers 5.24
+#   bash scripts/setup.sh --profile ipex    ipex profile in .venv-ipex: torch 2.8.0 + intel-extension-for-pytorch 2.8.0,
+#                                           transformers 5.23 (IPEX 2.8 does not import with 5.24)
+#   bash scripts/setup.sh --ipex-wheel      print a directory holding the unpacked IPEX wheel of the ipex pins (no
+#                                           install), for the test that puts it beside torch 2.13 (a version mismatch)
 #   bash scripts/setup.sh --qa-reference    print a directory holding transformers 4.57.1 (no install into a venv):
 #                                           its question-answering pipeline, which transformers 5 dropped, is the
 #                                           reference the QA task is proven against (tests/pipeline_reference.py)
 #
-# Default: torch 2.13.0 CPU is installed first, pinned, so nothing later pulls a multi-GB CUDA build.
+# Default: the pins name the CPU build of torch; a plain torch==2.13.0 may resolve to a multi-GB CUDA build.
 # ipex: IPEX 2.8 works only with torch 2.8.*, and the only torch 2.8.0 wheel the registry has is the CUDA
 # build, which does not import without its nvidia-* libraries (~7.4 GB installed, ~3 min). So that venv
-# lives outside the clone, under $PT2_PROFILES_DIR (default ~/.cache/pt2-handlers), keyed by the Python
-# version and the dependency lists in pyproject.toml; repeat runs and new clones reuse it, and .venv-ipex links to it.
+# lives outside the clone, under $PT2_PROFILES_DIR (default ~/.cache/pt2-handlers), keyed by the Python version,
+# constraints/ipex.txt and the dependency lists it installs: a change of pins builds a new venv, repeat runs and
+# new clones reuse it, and .venv-ipex links to it. It is kept only if IPEX imports in it.
 # The pt2-handlers package itself is NOT left installed: archives carry their own copy of `handlers`,
 # and the tests prove they load on a host without it.
 set -euo pipefail
@@ -27,13 +30,20 @@ case "${1:-}" in
   *) echo "usage: $0 [--profile default|ipex] [--ipex-wheel] [--qa-reference]" >&2; exit 2 ;;
 esac
 PROFILES_DIR=${PT2_PROFILES_DIR:-$HOME/.cache/pt2-handlers}
-IPEX_PIN="intel-extension-for-pytorch==2.8.0"
+DEFAULT_PINS=constraints/default.txt
+IPEX_PINS=constraints/ipex.txt
+IPEX_PIN=$(grep -i "^intel[-_]extension[-_]for[-_]pytorch==" "$IPEX_PINS")
 # The last transformers with the question-answering pipeline, and the versions of its own dependencies it accepts.
 QA_REFERENCE_PINS=(transformers==4.57.1 tokenizers==0.22.2 huggingface-hub==0.36.2 requests==2.34.2 urllib3==2.8.0
                    idna==3.20 charset-normalizer==3.5.2 certifi==2026.10.18)
 started=$(date +%s)
 
 pip_in() { "$1/bin/python" -m pip --disable-pip-version-check -q "${@:2}"; }
+
+unpinned() {  # venv pins-file: what the venv holds that the file does not pin (e.g. a new dependency)
+  "$1/bin/python" -m pip --disable-pip-version-check freeze --all --exclude pip --exclude pt2-handlers \
+    | grep -vixF -f <(grep -v -e '^#' -e '^$' "$2") || true
+}
 
 report() {
   echo "[setup] $PROFILE done in $(( $(date +%s) - started ))s: $("$1/bin/python" -c 'import torch, transformers, ts; print("torch", torch.__version__, "transformers", transformers.__version__, "torchserve", ts.__version__)' 2>/dev/null)"
@@ -46,34 +56,45 @@ case "$PROFILE" in
       echo "[setup] creating $VENV"
       python3 -m venv "$VENV"
     fi
-    if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-      echo "[setup] installing torch==2.13.0 (CPU)"
-      pip_in "$VENV" install torch==2.13.0
-    fi
-    echo "[setup] installing pt2-handlers dependencies (.[cpu,test,grpc,deploy,example])"
-    pip_in "$VENV" install ".[cpu,test,grpc,deploy,example]"
+    echo "[setup] installing pt2-handlers dependencies (.[cpu,test,grpc,deploy,example]) pinned by $DEFAULT_PINS"
+    pip_in "$VENV" install -c "$DEFAULT_PINS" ".[cpu,test,grpc,deploy,example]"
     pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
+    # Not fatal here: a developer's .venv may hold extras of their own (e.g. the bench extra).
+    extra=$(unpinned "$VENV" "$DEFAULT_PINS")
+    [ -z "$extra" ] || echo "[setup] note: $VENV also holds, not pinned by $DEFAULT_PINS:" $extra
     command -v java >/dev/null || { echo "[setup] TorchServe needs Java 17 (apt-get install openjdk-17-jre-headless)"; exit 1; }
     report "$VENV"
     ;;
   ipex)
-    # Keyed by what the venv holds: the Python version and the dependency lists it installs.
+    # Keyed by what decides its contents: the Python version, the pins, and the dependency lists it installs.
     key=$(python3 -c 'import hashlib, json, sys, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-pins = [sys.version.split()[0], project["dependencies"], project["optional-dependencies"]["ipex"],
-        project["optional-dependencies"]["test"], project["optional-dependencies"]["example"]]
-print(hashlib.sha256(json.dumps(pins).encode()).hexdigest()[:12])')
+extras = project["optional-dependencies"]
+inputs = [sys.version.split()[0], open(sys.argv[1]).read(), project["dependencies"], extras["ipex"], extras["test"],
+          extras["example"]]
+print(hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:12])' "$IPEX_PINS")
     VENV="$PROFILES_DIR/venv-ipex-$key"
     if [ -f "$VENV/.complete" ]; then
-      echo "[setup] reusing $VENV (same Python and dependency pins)"
+      echo "[setup] reusing $VENV (same Python, $IPEX_PINS and dependency lists)"
     else
       rm -rf "$VENV"
       mkdir -p "$PROFILES_DIR"
       echo "[setup] creating $VENV: torch 2.8.0 (CUDA build + nvidia-* libraries, several GB) + $IPEX_PIN"
       python3 -m venv "$VENV"
-      pip_in "$VENV" install ".[ipex,test,example]"
+      pip_in "$VENV" install -c "$IPEX_PINS" ".[ipex,test,example]"
       pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
       echo "[setup] ipex venv: $(du -sh "$VENV" | cut -f1) in $(( $(date +%s) - started ))s"
+      extra=$(unpinned "$VENV" "$IPEX_PINS")
+      if [ -n "$extra" ]; then
+        echo "[setup] $VENV holds versions $IPEX_PINS does not pin (regenerate it as its header says):" $extra >&2
+        exit 1
+      fi
+      # IPEX breaks at import on a transformers it does not know: a venv it cannot import in is never reused.
+      if ! import_error=$("$VENV/bin/python" -c 'import intel_extension_for_pytorch' 2>&1); then
+        echo "[setup] intel_extension_for_pytorch does not import in $VENV:" >&2
+        tail -n 3 <<<"$import_error" >&2
+        exit 1
+      fi
       touch "$VENV/.complete"
       # Venvs of older pins are not reused by anything: reclaim their disk.
       find "$PROFILES_DIR" -maxdepth 1 -name 'venv-ipex-*' ! -path "$VENV" -exec rm -rf {} +

@@ -18,16 +18,39 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 SHARED_ARCHIVE_ENV = "PT2_SHARED_ARCHIVE"  # one minilm.mar for both profiles (scripts/test.sh)
 IPEX_WHEEL_ENV = "PT2_IPEX_WHEEL_DIR"  # the IPEX 2.8 wheel, unpacked, for the version-mismatch tests
 QA_REFERENCE_ENV = "PT2_QA_REFERENCE_DIR"  # transformers 4.57.1, whose question-answering pipeline is the reference
+PROFILE_ENV = "PT2_PROFILE"  # which profile this venv is, said by scripts/test.sh: one of PROFILES
+PROFILES = ("default", "ipex")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The ipex profile exists to run the IPEX rung: an IPEX that does not import there fails the run, with the
+    import error, instead of leaving its tests deselected behind a green stage."""
+    if declared_profile() != "ipex":
+        return
+    from handlers.ipex import probe_ipex
+
+    reason = probe_ipex()[1]
+    if reason is not None:
+        pytest.exit(f"{PROFILE_ENV}=ipex, but {reason}", returncode=pytest.ExitCode.TESTS_FAILED)
+
+
+def declared_profile() -> str | None:
+    """The profile scripts/test.sh says this is, or None when run by hand (then it is inferred from IPEX)."""
+    profile = os.environ.get(PROFILE_ENV) or None
+    if profile is not None and profile not in PROFILES:
+        pytest.exit(f"{PROFILE_ENV}={profile!r}: expected one of {', '.join(PROFILES)}, or unset",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+    return profile
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
     gpu needs CUDA; ipex needs the ipex profile; ipex_mismatch needs the default profile and the IPEX wheel
     unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv; default_profile runs in the default
-    profile only. scripts/test.sh provides them all
-    and runs both profiles, so only gpu stays unrun on a CPU machine."""
-    for marker, reason in unavailable_reasons().items():
+    profile only. scripts/test.sh provides them all, says which profile each stage is (PT2_PROFILE) and runs both,
+    so only gpu stays unrun on a CPU machine."""
+    for marker, reason in unavailable_reasons(declared_profile()).items():
         chosen = [item for item in items if item.get_closest_marker(marker)]
         if reason is None or not chosen:
             continue
@@ -36,27 +59,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         print(f"\n{len(chosen)} {marker} test(s) deselected: {reason}")
 
 
-def unavailable_reasons() -> dict[str, str | None]:
+def unavailable_reasons(profile: str | None) -> dict[str, str | None]:
     import torch
 
-    from handlers.ipex import probe_ipex
-
     gpu = None if torch.cuda.is_available() else "no CUDA device here (run them with pytest -m gpu on a GPU)"
-    ipex = probe_ipex()[1]
+    ipex, default_only = profile_reasons(profile)
     if ipex is None:
-        mismatch = "IPEX works with this torch (run them in the default profile)"
+        mismatch = "the ipex profile, where IPEX works with torch (run them in the default profile)"
     elif not os.environ.get(IPEX_WHEEL_ENV):
         mismatch = f"set {IPEX_WHEEL_ENV} to the unpacked IPEX wheel (scripts/test.sh does: setup.sh --ipex-wheel)"
     else:
         mismatch = None
     qa_reference = None if os.environ.get(QA_REFERENCE_ENV) else (
         f"set {QA_REFERENCE_ENV} to transformers 4.57.1 (scripts/test.sh does: setup.sh --qa-reference)")
+    return {"gpu": gpu, "ipex": ipex, "ipex_mismatch": mismatch, "qa_reference": qa_reference,
+            "default_profile": default_only}
+
+
+def profile_reasons(profile: str | None) -> tuple[str | None, str | None]:
+    """Why the ipex tests, and why the default_profile tests, cannot run here (None: they run). Decided by the
+    declared profile's name; by whether IPEX imports only when none is declared (pytest run by hand)."""
     # Once is enough for what does not depend on torch's version (the adapter, TorchServe, the hostile-input
     # table, faults, the soak): the ipex profile skips them to keep scripts/test.sh within its time budget.
-    default_profile = None if ipex else "TorchServe and adapter behaviour, the same under any torch: run in the " \
-                                        "default profile"
-    return {"gpu": gpu, "ipex": ipex and f"{ipex} (scripts/test.sh runs them there)", "ipex_mismatch": mismatch,
-            "qa_reference": qa_reference, "default_profile": default_profile}
+    default_only = "TorchServe and adapter behaviour, the same under any torch: run in the default profile"
+    if profile == "ipex":
+        return None, f"{default_only} ({PROFILE_ENV}=ipex here)"
+    if profile == "default":
+        return f"{PROFILE_ENV}=default here; they need the ipex profile (scripts/test.sh runs them there)", None
+    from handlers.ipex import probe_ipex
+
+    reason = probe_ipex()[1]
+    if reason is None:
+        return None, default_only
+    return f"{reason} (scripts/test.sh runs them in the ipex profile)", None
 
 
 @pytest.fixture(scope="session")
