@@ -125,7 +125,8 @@ def test_the_dockerfile_builds_what_the_manifests_run(cluster):
         for path in source.split():
             assert path == "model_store/" or (REPO / path).exists(), f"COPY {path}: not in the repository"
     assert 'pip install "torch==2.13.0"' in dockerfile  # pinned, before anything that depends on torch
-    assert dockerfile.index("torch==2.13.0") < dockerfile.index("pip install .")
+    assert dockerfile.index("torch==2.13.0") < dockerfile.index("pip install -c constraints/default.txt .")
+    assert dockerfile.count("-c constraints/default.txt") == 2  # every install pinned as CI's venv is
     container = next(c for c in cluster["Deployment"]["spec"]["template"]["spec"]["containers"]
                      if c["name"] == "torchserve")
     assert f"USER {container['securityContext']['runAsUser']}" in dockerfile
