@@ -4,7 +4,11 @@
   statically and warmed before READY, and the outputs are sliced back to the real rows. A batch with more
   rows than the largest batch bucket is served in chunks. Static shapes give the fastest CPU kernels.
 * ``dynamic``: batch and sequence dimensions are symbolic; the warmup runs size 1 (which torch
-  specializes) and sizes >= 2, so one graph serves every later size without compiling.
+  specializes) and sizes >= 2, so one graph serves every later size without compiling. Sequence lengths are
+  padded up to a multiple of ``seq_multiple`` (16): the graph is shape-generic, but the kernels under it are
+  not. oneDNN (bf16/fp16 matmuls on CPU) builds and keeps a primitive per matmul shape, in its own cache and
+  in ideep's (1,024 each, hundreds of KB apiece on an AMX CPU), so a worker seeing every length up to 256 grew
+  by hundreds of MB; rounded, it sees at most max_length / 16 lengths per batch size.
 
 ``after_ready`` decides what an unseen shape does once the worker is READY: served eagerly without
 compiling (``eager``), refused (``fail``), or compiled on the spot (``compile``).
@@ -41,6 +45,9 @@ class ShapePolicy:
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     seq_lengths: tuple[int, ...] = (16, 32, 64, 128)
     after_ready: AfterReady = AfterReady.EAGER
+    # dynamic only: sequence lengths run padded up to a multiple of this (1: each batch at its own length)
+    seq_multiple: int = 16
+    max_length: int | None = None  # the model's (``fitted``): rounding never pads past it
 
     @property
     def dynamic(self) -> bool:
@@ -56,7 +63,8 @@ class ShapePolicy:
         lengths = sorted({min(length, max_length) for length in self.seq_lengths})
         if self.kind is PolicyKind.BUCKETS and lengths[-1] < max_length:
             lengths.append(max_length)
-        return replace(self, batch_sizes=tuple(sorted(set(self.batch_sizes))), seq_lengths=tuple(lengths))
+        return replace(self, batch_sizes=tuple(sorted(set(self.batch_sizes))), seq_lengths=tuple(lengths),
+                       max_length=max_length)
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
         """Every (batch, sequence) pair: each bucket, or the sizes that prove a dynamic graph."""
@@ -65,12 +73,16 @@ class ShapePolicy:
     def serving_shape(self, rows: int, seq: int) -> tuple[int, int]:
         """The shape a batch of ``rows`` x ``seq`` is run at (``rows`` <= ``max_batch``)."""
         if self.kind is PolicyKind.DYNAMIC:
-            return rows, seq
+            rounded = -(-seq // self.seq_multiple) * self.seq_multiple
+            return rows, max(seq, min(rounded, self.max_length or rounded))
         return _bucket(self.batch_sizes, rows), _bucket(self.seq_lengths, seq)
 
     def describe(self) -> dict[str, Any]:
-        return {"policy": self.kind.value, "batch_sizes": list(self.batch_sizes),
-                "seq_lengths": list(self.seq_lengths), "after_ready": self.after_ready.value}
+        described = {"policy": self.kind.value, "batch_sizes": list(self.batch_sizes),
+                     "seq_lengths": list(self.seq_lengths), "after_ready": self.after_ready.value}
+        if self.kind is PolicyKind.DYNAMIC:
+            described["seq_multiple"] = self.seq_multiple
+        return described
 
 
 def _bucket(buckets: Sequence[int], size: int) -> int:

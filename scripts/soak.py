@@ -7,10 +7,13 @@ It passes (exit 0) when all of these hold:
 - a sample of the answers equals fp32 eager. The reference is the archive's own model and YAML, loaded here on
   the eager rung;
 - after warmup, the worker's RSS grew by less than --max-rss-growth, and its open files and threads did not grow.
-Progress prints every 10%. With --out it writes a CSV of the process samples and a PNG plot.
+Progress prints every 10%. The report gives RSS after warmup, at the halfway request, at the end and at its peak:
+growth in the second half says whether it still grows or has levelled off. With --out it writes a CSV of the
+process samples (each with the requests answered so far) and a PNG plot of them.
 
   scripts/start.sh
   .venv/bin/python scripts/soak.py --model minilm --archive model_store/minilm.mar      # 5,000 requests at c32
+  ... --out /tmp/soak --idle-after 30      # CSV + PNG; keep sampling 30 s once the traffic stops
 
 The test suite runs a shorter soak (tests/test_production.py).
 """
@@ -48,21 +51,24 @@ class ProcessSample:
     rss_mb: float
     fds: int
     threads: int
+    requests: int = 0  # answered so far
 
 
-def process_sample(pid: int, started: float) -> ProcessSample:
+def process_sample(pid: int, started: float, requests: int = 0) -> ProcessSample:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
     return ProcessSample(round(time.monotonic() - started, 2), rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd")),
-                         len(os.listdir(f"/proc/{pid}/task")))
+                         len(os.listdir(f"/proc/{pid}/task")), requests)
 
 
 @dataclass
 class Sampler:
-    """Samples one process every ``interval`` seconds on a thread, until stopped."""
+    """Samples one process every ``interval`` seconds on a thread, until stopped; ``done`` counts the requests
+    answered so far (each sample records it)."""
 
     pid: int
     interval: float = 0.5
+    done: Callable[[], int] = lambda: 0
     samples: list[ProcessSample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -73,7 +79,7 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append(process_sample(self.pid, self.started))
+            self.samples.append(process_sample(self.pid, self.started, self.done()))
             self._stop.wait(self.interval)
 
     def stop(self) -> list[ProcessSample]:
@@ -116,8 +122,9 @@ def bad_cases(task: str, inputs: dict[str, Any]) -> list[hostile_inputs.Case]:
 
 def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, concurrency: int = 32,
          bad_every: int = 20, sample_every: int = 25, warmup: int = 200, max_rss_growth: float = 0.10, seed: int = 0,
-         progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the soak; returns the figures and ``problems`` (empty: passed)."""
+         progress: Callable[[str], None] = print, idle_after: float = 1.0) -> dict[str, Any]:
+    """Run the soak; returns the figures and ``problems`` (empty: passed). ``idle_after``: seconds the worker is
+    still sampled once the last answer is in (its end RSS is the last of those samples)."""
     meta = hostile_inputs.describe(server, model)
     task, spec = meta["customizedMetadata"]["task"], hostile_inputs.TASKS[meta["customizedMetadata"]["task"]]
     dtype = meta["customizedMetadata"]["optimization"]["dtype"]
@@ -135,9 +142,9 @@ def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, 
         hostile_inputs.send(server, model, body, content_type)
     progress(f"[soak] {model} ({task}, {dtype}, worker pid {pid}): {len(plan)} requests at concurrency "
              f"{concurrency}, 1 in {bad_every} bad, after {warmup} warmup requests")
-    sampler = Sampler(pid)
     answers: list[hostile_inputs.Answer | None] = [None] * len(plan)
     done = [0]
+    sampler = Sampler(pid, done=lambda: done[0])
     lock = threading.Lock()
     started = time.monotonic()
 
@@ -151,7 +158,7 @@ def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, 
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(len(plan))))
     seconds = time.monotonic() - started
-    time.sleep(1.0)  # one more sample once idle
+    time.sleep(idle_after)  # samples once idle
     samples = sampler.stop()
     report = judge(archive, plan, answers, samples, dtype, sample_every, max_rss_growth, progress)
     workers = hostile_inputs.describe(server, model)["workers"]
@@ -180,6 +187,7 @@ def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample]
             problems += [f"request {i}: answer differs from fp32 eager" for i, ref in zip(chunk, want, strict=True)
                          if not hostile_inputs.close(json.loads(answers[i][1]), ref, tolerance)]
     base, end = samples[0], samples[-1]
+    halfway = next(s for s in samples if s.requests >= len(plan) // 2 or s is end)
     rss_growth = (end.rss_mb - base.rss_mb) / base.rss_mb
     if rss_growth >= max_rss_growth:
         problems.append(f"worker RSS grew {rss_growth:.1%} ({base.rss_mb:.0f} -> {end.rss_mb:.0f} MB)")
@@ -188,39 +196,50 @@ def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample]
     return {
         "requests": len(plan), "good": len(good), "bad": len(plan) - len(good), "unexpected_status": len(wrong_status),
         "answers_checked": len(checked), "rss_growth": round(rss_growth, 4),
-        "rss_mb": {"after_warmup": round(base.rss_mb, 1), "end": round(end.rss_mb, 1),
-                   "max": round(max(s.rss_mb for s in samples), 1)},
+        # growth over the second half of the requests, relative to the after-warmup RSS: ~0 once it levels off
+        "rss_growth_second_half": round((end.rss_mb - halfway.rss_mb) / base.rss_mb, 4),
+        "rss_mb": {"after_warmup": round(base.rss_mb, 1), "halfway": round(halfway.rss_mb, 1),
+                   "end": round(end.rss_mb, 1), "max": round(max(s.rss_mb for s in samples), 1)},
         "fds": [base.fds, end.fds], "threads": [base.threads, end.threads], "samples": samples, "problems": problems,
     }
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
-    """CSV of the process samples, a PNG of RSS / fds / threads over time, and the report as JSON."""
+    """CSV of the process samples, the report as JSON, and a PNG of RSS / fds / threads over time (where
+    matplotlib imports)."""
     import csv
 
     out.mkdir(parents=True, exist_ok=True)
     samples = report.pop("samples")
     with (out / "soak_samples.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["seconds", "rss_mb", "fds", "threads"])
-        writer.writerows([s.seconds, round(s.rss_mb, 1), s.fds, s.threads] for s in samples)
+        writer.writerow(["seconds", "requests", "rss_mb", "fds", "threads"])
+        writer.writerows([s.seconds, s.requests, round(s.rss_mb, 1), s.fds, s.threads] for s in samples)
     (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
-    import matplotlib
+    try:  # the bench extra (pip install -e '.[bench]'); without it, the CSV and the JSON only
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"[soak] no soak.png ({exc}); install the bench extra: pip install -e '.[bench]'")
+        return
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.5))
     times = [s.seconds for s in samples]
-    for ax, (name, values) in zip(axes, (("worker RSS (MB)", [s.rss_mb for s in samples]),
-                                         ("open files", [s.fds for s in samples]),
-                                         ("threads", [s.threads for s in samples])), strict=True):
+    rss = [s.rss_mb for s in samples]
+    axes[0].plot([s.requests for s in samples], rss)
+    axes[0].set(title="worker RSS (MB) by requests answered", xlabel="requests answered")
+    axes[0].set_ylim(bottom=0)
+    for ax, (name, values) in zip(axes[1:], (("worker RSS (MB)", rss), ("open files", [s.fds for s in samples]),
+                                             ("threads", [s.threads for s in samples])), strict=True):
         ax.plot(times, values)
         ax.set_title(name)
         ax.set_xlabel("seconds into the soak")
         ax.set_ylim(bottom=0)
-    fig.suptitle(f"soak: {report['requests']} requests to {report['model']} at {report['requests_per_s']} req/s, "
-                 f"RSS growth {report['rss_growth']:.1%}")
+    fig.suptitle(f"soak: {report['requests']} requests to {report['model']} ({report['dtype']}) at "
+                 f"{report['requests_per_s']} req/s, RSS growth {report['rss_growth']:.1%} "
+                 f"({report['rss_growth_second_half']:+.1%} in the second half)")
     fig.tight_layout()
     fig.savefig(out / "soak.png", dpi=110)
 
@@ -238,11 +257,13 @@ def main() -> None:
     parser.add_argument("--max-rss-growth", type=float, default=0.10)
     parser.add_argument("--config", type=Path, default=tsctl.DEFAULT_CONFIG)
     parser.add_argument("--run-dir", type=Path, default=tsctl.DEFAULT_RUN_DIR)
+    parser.add_argument("--idle-after", type=float, default=1.0,
+                        help="seconds to keep sampling the worker once the last answer is in")
     parser.add_argument("--out", type=Path, default=None, help="write soak_samples.csv, soak.json, soak.png here")
     args = parser.parse_args()
     server = tsctl.server_for(args.config, args.run_dir.resolve())
     report = soak(server, args.model, args.archive, args.requests, args.concurrency, args.bad_every,
-                  args.sample_every, args.warmup, args.max_rss_growth)
+                  args.sample_every, args.warmup, args.max_rss_growth, idle_after=args.idle_after)
     if args.out:
         write_outputs(report, args.out)
     report.pop("samples", None)
