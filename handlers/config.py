@@ -410,6 +410,7 @@ def _parse_shapes(section: _Section, compile_spec: CompileSpec, task_class: Any)
         batch_sizes=shapes.positive_ints("batch_sizes", defaults.batch_sizes),
         seq_lengths=shapes.positive_ints("seq_lengths", defaults.seq_lengths),
         after_ready=shapes.choice("after_ready", AfterReady, defaults.after_ready),
+        seq_multiple=_positive(shapes, "seq_multiple", None),
     )
     shapes.finish()
     if compile_spec.dynamic is not None and compile_spec.dynamic != policy.dynamic:

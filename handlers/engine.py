@@ -130,6 +130,7 @@ class Engine:
             for cache, use in self.cache_use.items()))
         self.attempts = result.attempts
         self.dtype = hardware.Choice(result.dtype, _why_served(result.dtype, precisions, self.precisions.reason))
+        self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
 
     @property

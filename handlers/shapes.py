@@ -28,6 +28,9 @@ from typing import Any
 import torch
 
 
+HALF_SEQ_MULTIPLE = 16  # measured: fewer primitives than 8 would leave, and AMX tiles like 16 rows
+
+
 class PolicyKind(str, enum.Enum):
     BUCKETS = "buckets"
     DYNAMIC = "dynamic"
@@ -45,8 +48,9 @@ class ShapePolicy:
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     seq_lengths: tuple[int, ...] = (16, 32, 64, 128)
     after_ready: AfterReady = AfterReady.EAGER
-    # dynamic only: sequence lengths run padded up to a multiple of this (1: each batch at its own length)
-    seq_multiple: int = 16
+    # dynamic only: sequence lengths run padded up to a multiple of this (1: each batch at its own length). None:
+    # chosen at load from the precision served (``for_precision``): HALF_SEQ_MULTIPLE in bf16/fp16, 1 in fp32.
+    seq_multiple: int | None = None
     max_length: int | None = None  # the model's (``fitted``): rounding never pads past it
 
     @property
@@ -73,9 +77,17 @@ class ShapePolicy:
     def serving_shape(self, rows: int, seq: int) -> tuple[int, int]:
         """The shape a batch of ``rows`` x ``seq`` is run at (``rows`` <= ``max_batch``)."""
         if self.kind is PolicyKind.DYNAMIC:
-            rounded = -(-seq // self.seq_multiple) * self.seq_multiple
+            multiple = self.seq_multiple or 1
+            rounded = -(-seq // multiple) * multiple
             return rows, max(seq, min(rounded, self.max_length or rounded))
         return _bucket(self.batch_sizes, rows), _bucket(self.seq_lengths, seq)
+
+    def for_precision(self, half: bool) -> ShapePolicy:
+        """This policy with ``seq_multiple`` chosen where the YAML left it: the primitive caches grow in half
+        precisions only (fp32 matmuls go through MKL, which keeps nothing per shape), so fp32 keeps exact lengths."""
+        if self.seq_multiple is not None:
+            return self
+        return replace(self, seq_multiple=HALF_SEQ_MULTIPLE if half else 1)
 
     def describe(self) -> dict[str, Any]:
         described = {"policy": self.kind.value, "batch_sizes": list(self.batch_sizes),

@@ -192,6 +192,15 @@ def test_settings_section_with_every_key():
     assert (settings.max_runtime_failures, settings.max_inputs_per_request) == (5, 8)
 
 
+def test_seq_multiple_is_read_from_the_shapes_section():
+    shapes = load_config({"pt2_handlers": {"shapes": {"policy": "dynamic", "batch_sizes": [1, 4],
+                                                      "seq_multiple": 8}}}).settings.shapes
+    assert shapes.seq_multiple == 8
+    assert load_config({}).settings.shapes.seq_multiple is None  # chosen at load from the precision served
+    with pytest.raises(ConfigError, match="seq_multiple must be a positive integer"):
+        load_config({"pt2_handlers": {"shapes": {"seq_multiple": 0}}})
+
+
 def test_defaults_are_the_cpu_fast_path():
     settings = HandlerSettings()
     # freezing is off by default: measured no gain with bf16 here, and it slows warm restarts

@@ -7,8 +7,13 @@ import torch
 from handlers.shapes import PolicyKind, ShapePolicy, pad_batch
 
 
+def half(policy: ShapePolicy) -> ShapePolicy:
+    """The policy as a worker serving bf16/fp16 resolves it (seq_multiple left to the precision)."""
+    return policy.for_precision(half=True)
+
+
 def test_dynamic_pads_the_sequence_up_to_a_multiple_of_16_and_keeps_the_rows():
-    policy = ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16, 64, 256)).fitted(256)
+    policy = half(ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16, 64, 256)).fitted(256))
     assert [policy.serving_shape(3, seq) for seq in (1, 15, 16, 17, 100, 241, 256)] == [
         (3, 16), (3, 16), (3, 16), (3, 32), (3, 112), (3, 256), (3, 256)]
     # every length from 1 to 256 at every batch size runs at 4 x 16 shapes: the matmul kernels (and the oneDNN
@@ -17,25 +22,34 @@ def test_dynamic_pads_the_sequence_up_to_a_multiple_of_16_and_keeps_the_rows():
 
 
 def test_dynamic_rounding_never_pads_past_the_models_max_length():
-    policy = ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16, 64)).fitted(100)
+    policy = half(ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16, 64)).fitted(100))
     assert policy.serving_shape(2, 90) == (2, 96) and policy.serving_shape(2, 97) == (2, 100)
     assert policy.serving_shape(2, 100) == (2, 100)
 
 
 def test_seq_multiple_1_runs_each_batch_at_its_own_length():
-    policy = ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16,), seq_multiple=1).fitted(256)
+    policy = half(ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16,), seq_multiple=1).fitted(256))
     assert policy.serving_shape(3, 17) == (3, 17)
+
+
+def test_fp32_keeps_exact_lengths_unless_the_yaml_says_otherwise():
+    """fp32 matmuls go through MKL, which keeps nothing per shape: padding would only cost time there."""
+    policy = ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16,)).fitted(256)
+    assert policy.for_precision(half=False).serving_shape(3, 17) == (3, 17)
+    assert policy.for_precision(half=True).serving_shape(3, 17) == (3, 32)
+    configured = ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16,), seq_multiple=8).fitted(256)
+    assert configured.for_precision(half=False).serving_shape(3, 17) == (3, 24)
 
 
 def test_buckets_ignore_the_multiple():
     policy = ShapePolicy(PolicyKind.BUCKETS, (1, 4), (16, 64)).fitted(128)
     assert policy.serving_shape(3, 17) == (4, 64) and policy.serving_shape(1, 100) == (1, 128)
     assert "seq_multiple" not in policy.describe()
-    assert ShapePolicy(PolicyKind.DYNAMIC).describe()["seq_multiple"] == 16
+    assert half(ShapePolicy(PolicyKind.DYNAMIC)).describe()["seq_multiple"] == 16
 
 
 def test_the_rounded_shape_pads_with_masked_positions():
     batch = {"input_ids": torch.tensor([[101, 7, 102]]), "attention_mask": torch.tensor([[1, 1, 1]])}
-    shape = ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16,)).fitted(256).serving_shape(1, 3)
+    shape = half(ShapePolicy(PolicyKind.DYNAMIC, (1, 4), (16,)).fitted(256)).serving_shape(1, 3)
     padded = pad_batch(batch, shape, {"input_ids": 0})
     assert padded["input_ids"].shape == (1, 16) and padded["attention_mask"][0].tolist() == [1, 1, 1] + [0] * 13
