@@ -87,7 +87,7 @@ def main() -> int:
                              "dtype": result["dtype"], "attempts": attempts_text(result["attempts"])})
     args.out.mkdir(parents=True, exist_ok=True)
     bc.write_json(args.out / "header.json", header)
-    bc.log(f"wrote {bc.write_csv(args.out / 'load.csv', rows)}")
+    bc.write_csv(args.out / "load.csv", rows)
     names = list(dict.fromkeys(row["model"] for row in rows))
     series = {label: [min(r["load_seconds"] for r in rows if r["model"] == n and r["code"] == label) for n in names]
               for label in sources}
