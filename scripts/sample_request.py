@@ -35,7 +35,9 @@ def main() -> None:
     print(f"active rung: {optimization['active']} (device {optimization['device']}, torch {optimization['torch']})")
     for attempt in optimization["attempts"]:
         reason = f" -- {attempt['reason']}" if attempt.get("reason") else ""
-        print(f"  {attempt['rung']:<13} {attempt['status']:<9} {attempt['seconds']:>7.1f}s{reason}")
+        rung = f"{attempt['rung']} (screen)" if attempt.get("screen") else attempt["rung"]
+        precision = attempt.get("dtype") or ""
+        print(f"  {rung:<15} {precision:<9} {attempt['status']:<9} {attempt['seconds']:>7.1f}s{reason}")
 
 
 if __name__ == "__main__":
