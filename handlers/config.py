@@ -45,10 +45,12 @@ class DType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
+    INT8 = "int8"  # opt-in only (never from auto): int8 linear layers (torchao), the rest in float32
 
     @property
     def torch(self) -> torch.dtype:
-        return getattr(torch, self.value)
+        """The floating dtype the module's parameters and activations are kept in."""
+        return torch.float32 if self is DType.INT8 else getattr(torch, self.value)
 
 
 class TooLong(str, enum.Enum):

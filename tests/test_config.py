@@ -256,7 +256,7 @@ def test_an_explicit_dtype_or_list_is_tried_as_written(dtype, precisions):
 
 
 @pytest.mark.parametrize(("dtype", "message"), [
-    (["bfloat16", "auto"], "'auto' is not a precision; a list takes some of: float32, bfloat16, float16 (auto stands"),
+    (["bfloat16", "auto"], "'auto' is not a precision; a list takes some of: float32, bfloat16, float16, int8 (auto stands"),
     (["bfloat61"], "'bfloat61' is not a precision (did you mean bfloat16?)"),
     (["float32", "float32"], "a list names each precision once, at least one"),
     ([], "a list names each precision once, at least one"),

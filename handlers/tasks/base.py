@@ -235,15 +235,16 @@ class ScoreGate(QualityGate):
         return 1.0 - error.nan_to_num(2.0).item()
 
 
-# fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits: about 2 decimals of a probability.
-DEFAULT_MAX_SCORE_ERROR = {DType.FLOAT32: 1e-4, DType.BFLOAT16: 1e-2, DType.FLOAT16: 1e-2}
-SCORE_GATE_KEYS = ("max_score_error", "max_score_error_half")
+# fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits: about 2 decimals of a probability;
+# int8 linears (per-token activation, per-channel weight scales) about one.
+DEFAULT_MAX_SCORE_ERROR = {DType.FLOAT32: 1e-4, DType.BFLOAT16: 1e-2, DType.FLOAT16: 1e-2, DType.INT8: 5e-2}
+SCORE_GATE_KEYS = ("max_score_error", "max_score_error_half", "max_score_error_int8")
 
 
 def score_gate(dtype: DType, overrides: Mapping[str, float],
                to_scores: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ScoreGate:
     """The score gate of the classification-like tasks: ``max_score_error`` for fp32 rungs,
-    ``max_score_error_half`` for bf16/fp16 ones."""
+    ``max_score_error_half`` for bf16/fp16 ones, ``max_score_error_int8`` for int8 ones."""
     return ScoreGate(gate_threshold(dtype, overrides, SCORE_GATE_KEYS, DEFAULT_MAX_SCORE_ERROR, (0.0, 1.0),
                                     "a probability difference"), to_scores)
 
@@ -264,12 +265,13 @@ class ScoredTask(Task, ABC):
         return score_gate(dtype, overrides, None if cls.outputs_are_scores else softmax_scores)
 
 
-def gate_threshold(dtype: DType, overrides: Mapping[str, float], keys: tuple[str, str],
+def gate_threshold(dtype: DType, overrides: Mapping[str, float], keys: tuple[str, str, str],
                    defaults: Mapping[DType, float], bounds: tuple[float, float], what: str) -> float:
     """A task's configured (or default) gate value: ``keys[0]`` for fp32 rungs, ``keys[1]`` for bf16/fp16
-    ones; a ConfigError for any configured value outside ``bounds``."""
+    ones, ``keys[2]`` for int8 ones; a ConfigError for any configured value outside ``bounds``."""
     low, high = bounds
     for key, value in overrides.items():
         if not low <= value <= high:
             raise ConfigError(f"pt2_handlers.quality_gate.{key} is {what} in [{low:g}, {high:g}], got {value!r}")
-    return overrides.get(keys[0] if dtype is DType.FLOAT32 else keys[1], defaults[dtype])
+    key = keys[0] if dtype is DType.FLOAT32 else keys[2] if dtype is DType.INT8 else keys[1]
+    return overrides.get(key, defaults[dtype])
