@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine, in both profiles:
-#   1. default (.venv: torch 2.13 CPU): unit + real TorchServe tests, and the IPEX 2.8 wheel beside torch 2.13
+#   0. ruff, and the docs site built with warnings as errors (mkdocs build --strict)
+#   1. default (.venv: torch 2.13 CPU): unit + real TorchServe tests (the docs' examples among them), and the IPEX 2.8
+#      wheel beside torch 2.13
 #   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the suite but the default_profile tests, plus the IPEX rung for real
 # One minilm.mar is built once and served in both. Arguments go to both pytest runs.
 # PT2_PROFILES=default runs stage 1 only (a quick local loop); CI runs both.
@@ -13,6 +15,11 @@ PROFILES=${PT2_PROFILES:-default ipex}
 bash scripts/setup.sh
 echo "[test] ruff check"
 .venv/bin/ruff check handlers scripts tests benchmarks
+
+# The documentation site (mkdocs.yml): any warning (a broken link or anchor, a page left out of the nav) fails.
+# NO_MKDOCS_2_WARNING hides the theme's notice about its successor, which is not a warning about these docs.
+echo "[test] docs: mkdocs build --strict"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
 echo "[test] one archive for both profiles"
 shared_store=.cache/shared-store
