@@ -1,8 +1,8 @@
 """Command line: ``python -m handlers check MODEL_YAML...`` validates model YAMLs with the code the worker runs.
 
 A mistake in the ``pt2`` or ``pt2_handlers`` section otherwise shows only in the worker's log, behind
-TorchServe's generic "Failed to start workers". ``scripts/package.py`` runs the same check before it builds an
-archive. Exit status 1 if any file is invalid.
+TorchServe's generic "Failed to start workers". Every problem of a file is printed, one per line. ``scripts/package.py``
+runs the same check before it builds an archive. Exit status 1 if any file is invalid.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from handlers.errors import ConfigError
 
 
 def check(paths: list[Path], import_dirs: list[Path]) -> int:
-    """Print one line per file: what it configures, or what is wrong with it; the number of invalid files."""
+    """Print a line per file saying what it configures, or a line per problem in it; the number of invalid files."""
     sys.path[:0] = [str(d) for d in import_dirs]  # where a "module:function" backend would be at the archive root
     invalid = 0
     for path in paths:
@@ -24,7 +24,8 @@ def check(paths: list[Path], import_dirs: list[Path]) -> int:
             config = load_config_file(path)
         except ConfigError as exc:
             invalid += 1
-            print(f"{path}: INVALID: {exc.message}")
+            for problem in exc.problems:  # every one, each on its own line: one run finds them all
+                print(f"{path}: INVALID: {problem}")
             continue
         settings = config.settings
         compile_text = (f"compile {config.served_compile.backend} (mode {config.served_compile.mode or 'default'})"

@@ -5,6 +5,8 @@ The TorchServe adapter maps these to responses in one place; nothing else decide
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class HandlerError(Exception):
     """Base class. ``status`` is the HTTP status; ``message`` is safe to show a client."""
@@ -20,9 +22,14 @@ class HandlerError(Exception):
 
 
 class ConfigError(HandlerError, ValueError):
-    """The model YAML is invalid. Raised at load time, so the worker never becomes READY (500)."""
+    """The model YAML is invalid. Raised at load time, so the worker never becomes READY (500). ``problems``: one
+    line each, all of them (``message`` joins them)."""
 
     status = 500
+
+    def __init__(self, message: str, problems: Sequence[str] = ()):
+        super().__init__(message)
+        self.problems = tuple(problems) or (message,)
 
 
 class ModelLoadError(HandlerError):

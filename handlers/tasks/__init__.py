@@ -3,7 +3,8 @@
 Lazy on purpose: a task module imports transformers' models and pipelines, and those import
 ``torch._dynamo``, which dies on an unusable compile-cache directory. The TorchServe handler imports this
 package before it has checked that directory (handlers.compile_cache), so a task module is imported only
-when ``check_task`` is asked for its class.
+when ``check_task`` is asked for its class. The names and locations are handlers/task_catalog.py's, which
+config validates against without importing this package (the task modules import config).
 """
 
 from __future__ import annotations
@@ -12,19 +13,13 @@ import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from handlers.config import did_you_mean
+from handlers.config.fields import did_you_mean
 from handlers.errors import ConfigError
+from handlers.task_catalog import TASK_FACTS, TASK_NAMES
 from handlers.tasks.base import Task
 
 # task name -> "module:class" of its adapter
-TASK_LOCATIONS: Mapping[str, str] = MappingProxyType({
-    "embeddings": "handlers.tasks.embeddings:EmbeddingsTask",
-    "text-classification": "handlers.tasks.classification:TextClassificationTask",
-    "token-classification": "handlers.tasks.token_classification:TokenClassificationTask",
-    "question-answering": "handlers.tasks.question_answering:QuestionAnsweringTask",
-    "text-generation": "handlers.tasks.generation:TextGenerationTask",
-})
-TASK_NAMES: tuple[str, ...] = tuple(TASK_LOCATIONS)  # listing them imports no task module
+TASK_LOCATIONS: Mapping[str, str] = MappingProxyType({name: facts.location for name, facts in TASK_FACTS.items()})
 
 
 def check_task(name: str, path: str = "task") -> type[Task]:

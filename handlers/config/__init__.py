@@ -1,0 +1,91 @@
+"""Typed, validated configuration, read from the model YAML that TorchServe hands the worker.
+
+Two sections matter here; every other top-level key (minWorkers, batchSize, ...) is TorchServe's own.
+
+* ``pt2`` -- TorchServe's format for ``torch.compile`` options (current and legacy forms).
+* ``pt2_handlers`` -- this package's settings: task, model directory, dtype, ladder, shapes, quality gate,
+  threads, compile cache.
+
+``load_config`` checks both against the schema (handlers/config/schema.py), never mutates its input, and raises
+one ``ConfigError`` listing every problem, each naming its key, the value, what is allowed and the nearest valid
+name. The values it returns are the frozen ones of handlers/config/values.py, importable from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import ValidationError
+
+from handlers.config.problems import problems_of
+from handlers.config.schema import ModelYaml, validate_model_yaml
+from handlers.config.settings import SettingsSection, shape_policy
+from handlers.config.values import (CompileSpec, DType, HandlerConfig, HandlerSettings, RungName, TooLong,
+                                    resolve_backend)
+from handlers.errors import ConfigError
+from handlers.task_catalog import TASK_FACTS
+
+__all__ = ["CompileSpec", "DType", "HandlerConfig", "HandlerSettings", "RungName", "TooLong", "load_config",
+           "load_config_file", "resolve_backend"]
+
+
+def load_config_file(path: Path) -> HandlerConfig:
+    """``load_config`` of a model YAML file; a ConfigError also for a file that is missing or not YAML."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return load_config(raw)
+
+
+def load_config(raw: Mapping[str, Any] | None) -> HandlerConfig:
+    """Parse the model YAML (TorchServe's ``context.model_yaml_config``) without modifying it."""
+    raw = raw or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"the model YAML must be a mapping, got {type(raw).__name__}")
+    try:
+        parsed = validate_model_yaml(raw)
+    except ValidationError as exc:
+        found = problems_of(exc, raw)
+        message = found[0] if len(found) == 1 else f"{len(found)} problems:" + "".join(f"\n  {line}" for line in found)
+        raise ConfigError(message, found) from None
+    return HandlerConfig(compile=_compile_spec(parsed), settings=_settings(parsed.pt2_handlers, parsed.pt2.dynamic),
+                         workers=parsed.minWorkers, warnings=pt2_warnings(raw.get("pt2")))
+
+
+def _compile_spec(parsed: ModelYaml) -> CompileSpec:
+    section = parsed.pt2
+    return CompileSpec(enabled=section.enable, backend=section.backend, mode=section.mode, dynamic=section.dynamic,
+                       fullgraph=section.fullgraph,
+                       options=MappingProxyType(dict(section.options)) if section.options is not None else None)
+
+
+def _settings(section: SettingsSection, compile_dynamic: bool | None) -> HandlerSettings:
+    return HandlerSettings(
+        task=section.task, model_dir=section.model_dir, max_length=section.max_length, too_long=section.too_long,
+        dtype=section.dtype, ladder=section.ladder,
+        shapes=shape_policy(section.shapes, TASK_FACTS[section.task].default_shapes, compile_dynamic),
+        quality_gate=section.quality_gate, freezing=section.freezing, threads=section.threads,
+        compile_cache=section.compile_cache, max_runtime_failures=section.max_runtime_failures,
+        max_inputs_per_request=section.max_inputs_per_request,
+    )
+
+
+def pt2_warnings(value: Any) -> tuple[str, ...]:
+    """What a valid ``pt2`` section is warned about: the deprecated forms, and compile left off by omission."""
+    if isinstance(value, str):
+        return (f"pt2: {value!r} is deprecated; write pt2: {{compile: {{enable: true, backend: {value}}}}}",)
+    if not isinstance(value, Mapping):
+        return ()
+    if "compile" not in value:
+        return ("pt2 with compile options at its top level is deprecated; move them under pt2.compile",)
+    if not isinstance(value["compile"], Mapping) or value["compile"].get("enable") is None:
+        return ("pt2.compile has no 'enable' key: compile stays off (set enable: true to turn it on)",)
+    return ()

@@ -1,0 +1,276 @@
+"""``pt2_handlers``: this package's settings. What a key may hold can depend on the task (its gate keys, float32
+only, static shapes only: handlers/task_catalog.py) and on pt2's ``dynamic`` (told through the validation context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictStr, ValidationInfo,
+                      WithJsonSchema, create_model, field_validator)
+
+from handlers.config.fields import (PositiveInt, PositiveInts, Section, choose, did_you_mean, one_of, problem,
+                                    problems, shown)
+from handlers.config.values import DType, HandlerSettings, RungName, TooLong
+from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
+from handlers.task_catalog import TASK_FACTS, TASK_NAMES
+
+DEFAULTS = HandlerSettings()
+PRECISIONS = tuple(d.value for d in DType if d is not DType.AUTO)  # what a dtype list may name
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+class ShapesSection(Section):
+    """Which input shapes the compiled model sees, all warmed before READY, and what an unseen one gets after."""
+
+    policy: one_of(PolicyKind) | None = None
+    """`buckets`: each batch is padded up to the smallest (batch, sequence) bucket that holds it, every bucket
+    compiled statically. `dynamic`: symbolic batch and sequence dimensions, one graph for every size. Left out:
+    `dynamic` when `pt2.compile.dynamic: true`, else `buckets`."""
+    batch_sizes: PositiveInts | None = None
+    """Batch buckets (`buckets`), or the batch sizes warmed (`dynamic`: must include 1 and one >= 2). Left out:
+    the task's, `[1, 2, 4]` (text-generation `[1, 4]`)."""
+    seq_lengths: PositiveInts | None = None
+    """Sequence buckets, capped at `max_length`, with `max_length` added as the last one (`buckets`); or the lengths
+    warmed (`dynamic`). Left out: the task's, `[16, 32, 64, 128]` (text-generation: KV cache lengths, `[256]`)."""
+    after_ready: one_of(AfterReady) = AfterReady.EAGER
+    """A shape that would need a new compile after READY: `eager` (served eagerly, never compiled), `fail` (a 500
+    naming the shape), `compile` (compiled while its request waits)."""
+    seq_multiple: PositiveInt | None = None
+    """`dynamic` only: each batch's sequence is padded up to a multiple of this (never past `max_length`). Left out:
+    16 in bf16/fp16, where oneDNN keeps a kernel per matmul shape (exact lengths grew a worker by hundreds of MB), and
+    1 in fp32, where MKL keeps nothing per shape."""
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_agrees_with_compile(cls, policy: PolicyKind, info: ValidationInfo) -> PolicyKind:
+        compile_dynamic = (info.context or {}).get("compile_dynamic")
+        if compile_dynamic is not None and compile_dynamic != (policy is PolicyKind.DYNAMIC):
+            raise problem(f"{policy.value} contradicts pt2.compile.dynamic: {str(compile_dynamic).lower()}; drop one "
+                          "of them (buckets compile static shapes, dynamic compiles symbolic ones)")
+        return policy
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _dynamic_warms_one_and_more(cls, sizes: list[int], info: ValidationInfo) -> list[int]:
+        if "policy" not in info.data:  # the policy is wrong, and reported
+            return sizes
+        kind = info.data["policy"] or _implied_policy((info.context or {}).get("compile_dynamic"))
+        if kind is PolicyKind.DYNAMIC and (1 not in sizes or max(sizes) < 2):
+            raise problem(f"the dynamic policy warms batch size 1 and one >= 2 (torch specializes size 1), got {sizes}")
+        return sizes
+
+
+def _implied_policy(compile_dynamic: bool | None) -> PolicyKind:
+    return PolicyKind.DYNAMIC if compile_dynamic else PolicyKind.BUCKETS
+
+
+def shape_policy(section: ShapesSection, defaults: ShapePolicy, compile_dynamic: bool | None) -> ShapePolicy:
+    """The policy ``section`` means, with the task's buckets where it gives none and ``pt2.compile.dynamic``
+    choosing the kind where it names none."""
+    return ShapePolicy(kind=section.policy or _implied_policy(compile_dynamic),
+                       batch_sizes=tuple(section.batch_sizes or defaults.batch_sizes),
+                       seq_lengths=tuple(section.seq_lengths or defaults.seq_lengths),
+                       after_ready=section.after_ready, seq_multiple=section.seq_multiple)
+
+
+def _gate_thresholds_model() -> type[BaseModel]:
+    """Every task's quality-gate keys as one model: what the JSON Schema offers under ``quality_gate`` (the task
+    narrows it, see SettingsSection)."""
+    fields = {}
+    for facts in TASK_FACTS.values():
+        gate = facts.gate
+        tasks = ", ".join(task.name for task in TASK_FACTS.values() if task.gate == gate)
+        for key, default in zip(gate.keys, gate.defaults, strict=True):
+            low, high = gate.bounds
+            fields[key] = (float, Field(None, ge=low, le=high, description=f"{tasks}: {gate.describe(key)}.",
+                                        json_schema_extra={"default": default}))
+    return create_model("QualityGate", __base__=Section, __doc__="The task's acceptance thresholds.", **fields)
+
+
+QualityGateKeys = _gate_thresholds_model()
+TaskName = Annotated[str, WithJsonSchema({"type": "string", "oneOf": [
+    {"const": facts.name, "description": facts.summary} for facts in TASK_FACTS.values()]})]
+DTypeInput = Annotated[one_of(DType) | Annotated[list[Literal[PRECISIONS]], Field(min_length=1)],
+                       WithJsonSchema({"anyOf": [
+                           {"enum": [d.value for d in DType]},
+                           {"type": "array", "items": {"enum": list(PRECISIONS)}, "minItems": 1, "uniqueItems": True},
+                       ]})]
+
+
+def _check_task(name: Any) -> str:
+    if not isinstance(name, str):
+        raise problem(f"must be str, got {shown(name)}")
+    if name not in TASK_FACTS:
+        raise problem(f"unknown task {name!r}{did_you_mean(name, TASK_NAMES)}; "
+                      f"use one of: {', '.join(sorted(TASK_NAMES))}")
+    return name
+
+
+def _read_dtype(value: Any, info: ValidationInfo) -> tuple[DType, ...]:
+    """One precision, ``auto``, or a list of precisions to try in order (fastest first)."""
+    if isinstance(value, str):
+        precisions = (choose(DType, value, DTYPE_ALIASES),)
+    elif isinstance(value, list | tuple):
+        wrong = [((index,), f"{name!r} is not a precision{_hint(name)}; a list takes some of: {', '.join(PRECISIONS)} "
+                            "(auto stands alone)", name) for index, name in enumerate(value) if name not in PRECISIONS]
+        if wrong:
+            raise problems(wrong)
+        precisions = tuple(DType(name) for name in value)
+        if not precisions or len(set(precisions)) != len(precisions):
+            raise problem(f"a list names each precision once, at least one, got {list(value)!r}")
+    else:
+        raise problem(f"must be str or list, got {shown(value)}")
+    facts = TASK_FACTS.get(info.data.get("task"))
+    if facts and facts.float32_only and precisions not in ((DType.AUTO,), (DType.FLOAT32,)):
+        raise problem(f"{facts.name} serves float32 ({facts.float32_only}); use auto or float32, "
+                      f"got {', '.join(d.value for d in precisions)}")
+    return precisions
+
+
+def _hint(name: Any) -> str:
+    alias = DTYPE_ALIASES.get(name) if isinstance(name, str) else None
+    return f" (did you mean {alias}?)" if alias else did_you_mean(name, PRECISIONS)
+
+
+def _read_ladder(value: Any) -> tuple[RungName, ...]:
+    if not isinstance(value, list | tuple):
+        raise problem(f"must be a list, got {shown(value)}")
+    allowed = [rung.value for rung in RungName]
+    wrong = [((index,), f"unknown rung {name!r}{did_you_mean(name, allowed)}; use some of: {', '.join(allowed)}",
+              name) for index, name in enumerate(value) if name not in allowed]
+    if wrong:
+        raise problems(wrong)
+    rungs = [RungName(name) for name in value]
+    if len(set(rungs)) != len(rungs):
+        raise problem(f"each rung may appear once, got {list(value)!r}")
+    if RungName.EAGER in rungs[:-1]:
+        raise problem(f"eager is the last resort and must come last, got {list(value)!r}")
+    if RungName.EAGER not in rungs:
+        rungs.append(RungName.EAGER)  # documented: eager always ends the ladder
+    return tuple(rungs)
+
+
+def _read_gate(value: Any, info: ValidationInfo) -> Mapping[str, float]:
+    """The task's thresholds, each in its range; unknown keys named with the task's own."""
+    if not isinstance(value, Mapping):
+        raise problem(f"must be a mapping, got {shown(value)}")
+    facts = TASK_FACTS.get(info.data.get("task"))
+    if facts is None:  # the task is wrong, and reported: which keys it reads is unknown
+        return MappingProxyType({})
+    gate, found, values = facts.gate, [], {}
+    unknown = sorted(str(key) for key in value if key not in gate.keys)
+    if unknown:
+        hints = "".join(did_you_mean(key, gate.keys) for key in unknown)
+        found.append(((), f"unknown key(s) {', '.join(unknown)}{hints}; allowed: {', '.join(gate.keys)}", value))
+    low, high = gate.bounds
+    for key in gate.keys:
+        number = value.get(key)
+        if number is None:
+            continue
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            found.append(((key,), f"must be a number, got {shown(number)}", number))
+        elif not low <= number <= high:
+            found.append(((key,), f"is {gate.what} in [{low:g}, {high:g}], got {float(number)!r}", number))
+        else:
+            values[key] = float(number)
+    if found:
+        raise problems(found)
+    return MappingProxyType(values)
+
+
+def _read_threads(value: Any) -> int | None:
+    if value == "auto":
+        return None  # the cores shared among the workers, chosen at load
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise problem(f"must be int or 'auto', got {shown(value)}")
+    if value <= 0:
+        raise problem(f"must be a positive integer or 'auto', got {value!r}")
+    return value
+
+
+# The fields whose YAML differs from the value they hold: validated by a reader above, described by an input type.
+TaskField = Annotated[str, PlainValidator(_check_task, json_schema_input_type=TaskName)]
+Precisions = Annotated[tuple[DType, ...], PlainValidator(_read_dtype, json_schema_input_type=DTypeInput)]
+Ladder = Annotated[tuple[RungName, ...], PlainValidator(_read_ladder, json_schema_input_type=list[RungName])]
+GateThresholds = Annotated[Mapping[str, float], PlainValidator(_read_gate, json_schema_input_type=QualityGateKeys)]
+Threads = Annotated[int | None, PlainValidator(_read_threads, json_schema_input_type=PositiveInt | Literal["auto"])]
+
+
+def _task_rules(schema: dict[str, Any]) -> None:
+    """JSON Schema for what depends on the task: its gate keys, float32 only, static shapes only."""
+    rules = []
+    for facts in TASK_FACTS.values():
+        then: dict[str, Any] = {"quality_gate": {"propertyNames": {"enum": list(facts.gate.keys)}}}
+        if facts.float32_only:
+            then["dtype"] = {"anyOf": [{"enum": [DType.AUTO.value, DType.FLOAT32.value]}, {"const": ["float32"]}]}
+        if facts.static_shapes_only:
+            then["shapes"] = {"properties": {"policy": {"const": PolicyKind.BUCKETS.value}}}
+        condition: dict[str, Any] = {"properties": {"task": {"const": facts.name}}}
+        if facts.name != DEFAULTS.task:  # the default task's rules hold where no task is given too
+            condition["required"] = ["task"]
+        rules.append({"if": condition, "then": {"properties": then}})
+    schema["allOf"] = rules
+
+
+class SettingsSection(Section):
+    """This package's settings: the task, the model, the precisions and rungs to try, shapes, gate, limits."""
+
+    model_config = ConfigDict(json_schema_extra=_task_rules)
+
+    task: TaskField = DEFAULTS.task
+    """Which task adapter serves the model."""
+    model_dir: StrictStr = DEFAULTS.model_dir
+    """The `save_pretrained` directory, relative to the unpacked archive; a path leading out of it (`../x`, `/etc`)
+    fails the load."""
+    max_length: PositiveInt | None = DEFAULTS.max_length
+    """Tokens per text, special tokens included. Left out: `sentence_bert_config.json`'s, else the tokenizer's
+    limit, capped at the model's positions."""
+    too_long: one_of(TooLong) | None = DEFAULTS.too_long
+    """A text longer than `max_length`: `reject` (a 400 naming the text and its length) or `truncate` (its first
+    `max_length` tokens are read). Left out: `truncate` for embeddings, `reject` for the other tasks. Question
+    answering reads long contexts in windows instead; text-generation truncates the prompt's start."""
+    dtype: Precisions = Field(DEFAULTS.dtype, json_schema_extra={"default": DType.AUTO.value})
+    """The precisions to try, fastest first. `auto`: `[bfloat16, float32]` on a CPU with AMX or AVX512-BF16 or a GPU
+    with bf16 (`[float16, float32]` on one without), `[float32]` on other CPUs. Or one precision (that one only), or a
+    list of them, each once, e.g. `[bfloat16, float32]`. `int8` (int8 linear layers, the rest in float32) is
+    opt-in: never chosen by `auto`. The fp32 model is always loaded too: the reference and the eager fallback."""
+    ladder: Ladder = Field(DEFAULTS.ladder, json_schema_extra={"uniqueItems": True, "minItems": 1})
+    """The rungs to try, in order: `compile` (what `pt2.compile` asks for), `safe_compile` (inductor, default mode,
+    no custom options), `ipex` (CPU only), `eager`. `eager` always ends the ladder: left out, it is added; listed,
+    it must be last."""
+    shapes: ShapesSection = Field(default_factory=ShapesSection, validate_default=True)  # checked against the task
+    """The shape policy."""
+    quality_gate: GateThresholds = Field(default_factory=lambda: MappingProxyType({}),
+                                         json_schema_extra={"default": {}})
+    """Thresholds a rung must meet against fp32 eager on the warmup batches to be accepted; each task reads its own
+    keys (one per precision family), the others are unknown keys."""
+    freezing: StrictBool = DEFAULTS.freezing
+    """Inductor freezing (weights as constants, prepacked). Off by default: no faster with bf16 on the CPUs
+    measured, and it blocks the AOT-autograd cache, so warm restarts are slower."""
+    threads: Threads = Field(DEFAULTS.threads, json_schema_extra={"default": "auto"})
+    """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it, else the usable cores (CPU
+    affinity, capped by the container's CPU limit) divided by `minWorkers`."""
+    compile_cache: StrictStr | None = DEFAULTS.compile_cache
+    """Where inductor keeps compiled graphs and kernels. Left out: `TORCHINDUCTOR_CACHE_DIR`, else torch's default.
+    An unusable directory is replaced by a private one, with a warning."""
+    max_runtime_failures: PositiveInt = DEFAULTS.max_runtime_failures
+    """Failed optimized forwards on live batches before the worker demotes itself to fp32 eager."""
+    max_inputs_per_request: PositiveInt = DEFAULTS.max_inputs_per_request
+    """Texts per request (question answering: context windows); more gets a 400."""
+
+    @field_validator("shapes")
+    @classmethod
+    def _shapes_suit_the_task(cls, shapes: ShapesSection, info: ValidationInfo) -> ShapesSection:
+        facts = TASK_FACTS.get(info.data.get("task"))
+        kind = shapes.policy or _implied_policy((info.context or {}).get("compile_dynamic"))
+        if facts and facts.static_shapes_only and kind is PolicyKind.DYNAMIC:
+            raise problem(f"{facts.name} compiles static shapes only ({facts.static_shapes_only}); use policy: "
+                          "buckets and leave pt2.compile.dynamic unset")
+        return shapes
+
+
+def read_settings(value: Any, _handler: Any, info: ValidationInfo) -> SettingsSection:
+    return SettingsSection.model_validate(value, context=info.context)  # pt2's dynamic: see validate_model_yaml
