@@ -69,7 +69,8 @@ class Pt2Handler(BaseHandler):
         try:
             config = load_config(context.model_yaml_config)
         except ConfigError as exc:  # the same line Engine.load writes, so tools watching the log find either
-            logger.error("model %s failed to load: invalid model YAML: %s", context.model_name, exc.message)
+            for problem in exc.problems:  # a line each: log lines are read (and grepped) one at a time
+                logger.error("model %s failed to load: invalid model YAML: %s", context.model_name, problem)
             raise
         self.device = _device(properties.get("gpu_id"))
         version = (getattr(context, "manifest", None) or {}).get("model", {}).get("modelVersion")
