@@ -9,10 +9,22 @@ workers (benchmarks/baseline.yaml mirrors the model YAML), so only the handler d
     baseline   benchmarks/baseline_handler.py: fp32 eager, padded to 128 tokens (TorchServe's HF example)
 
 Per workload x concurrency cell, each model gets --requests requests from --concurrency keep-alive clients,
-in --rounds rounds that alternate which model goes first (ABBA...), so drift on the box hits both. The
+in --rounds rounds that alternate the order (ABBA...: forward, then reversed), so drift on the box hits all. The
 ports are the shipped ones + --port-shift (default 20000), clear of a dev server (+0) and the tests (+10000).
 
-    .venv/bin/python scripts/bench_e2e.py [--requests 200] [--concurrency 1 4 16] [--workloads uniform mixed]
+More rows, same load, same run (each gets its own row in the CSV, PNG and table, with its ratio to the baseline):
+
+    --extra-archive NAME=YAML   another archive of the same model directory, packaged with that model YAML and
+                                served by the same TorchServe (repeatable), e.g.
+                                --extra-archive int8=model_configs/minilm-embeddings-int8.yaml
+    --peers infinity-torch infinity-optimum
+                                the Infinity embedding server (scripts/peers.py) on the same directory, 127.0.0.1,
+                                mean pooling, batch size 32, from its own venv (scripts/setup.sh --profile infinity,
+                                built the first time, ~1 min); its answers are checked against sentence-transformers
+                                first and a peer below min cosine 0.99 is refused (no row)
+
+    .venv/bin/python scripts/bench_e2e.py [--requests 200] [--concurrency 1 4 16] [--workloads uniform mixed] \
+        [--peers infinity-torch infinity-optimum] [--extra-archive NAME=YAML ...]
 """
 
 from __future__ import annotations
@@ -29,20 +41,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import package
+import peers
 import tsctl
 from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, pids_with_arg, run_header, summarize,
                           write_csv, write_json, write_plot)
 
 OURS, BASELINE = "minilm", "baseline"
-MODELS = (OURS, BASELINE)
-LABELS = {OURS: "pt2-handlers (minilm)", BASELINE: "eager baseline"}
+MODELS = (OURS, BASELINE)  # always served; --extra-archive adds archives, --peers adds other servers
+LABELS = {OURS: "pt2-handlers (minilm)", BASELINE: "eager baseline", **peers.LABELS}
 BASELINE_HANDLER = REPO / "benchmarks" / "baseline_handler.py"
 BASELINE_YAML = REPO / "benchmarks" / "baseline.yaml"
 WORKLOADS = {"uniform": (118, 118), "mixed": (8, 96)}  # words per text; each word is one token (+2 specials)
@@ -67,7 +81,26 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "e2e",
                         help="output stem: writes STEM.csv, .png, .md, .json (default bench_results/e2e)")
-    return parser.parse_args()
+    parser.add_argument("--extra-archive", action="append", default=[], type=extra_archive, metavar="NAME=YAML",
+                        help="also package the model with this YAML as archive NAME and time it (repeatable)")
+    parser.add_argument("--peers", nargs="+", default=[], choices=peers.PEERS,
+                        help="also time these servers on the same model directory (scripts/peers.py)")
+    parser.add_argument("--peer-batch-size", type=int, default=32, help="the peers' --batch-size")
+    parser.add_argument("--peer-timeout", type=float, default=600,
+                        help="seconds a peer may take to answer /health (and its ONNX export)")
+    args = parser.parse_args()
+    names = [name for name, _ in args.extra_archive]
+    if len(set(names)) != len(names) or set(names) & {OURS, BASELINE, *peers.PEERS}:
+        parser.error(f"--extra-archive names must be unique and not {OURS}, {BASELINE} or a peer: {names}")
+    return args
+
+
+def extra_archive(value: str) -> tuple[str, Path]:
+    name, sep, config = value.partition("=")
+    if not sep or not name or not Path(config).is_file():
+        raise argparse.ArgumentTypeError(f"expected NAME=YAML with an existing model YAML, got {value!r}")
+    package.check_name(name)
+    return name, Path(config).resolve()
 
 
 SHARED_KEYS = ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay")  # what makes it a fair comparison
@@ -160,26 +193,65 @@ class Client:
         self.conn.close()
 
 
-EMBEDDING = b'"embedding"'  # in every good answer of both models
+EMBEDDING = b'"embedding"'  # in every good answer of every system (TorchServe's and the peers' /embeddings)
 
 
 def text_bodies(texts: Sequence[str]) -> list[dict[str, str]]:
     return [{"text": text} for text in texts]
 
 
+@dataclass(frozen=True)
+class Target:
+    """One system under load, a TorchServe archive or a peer server: every cell sends each the same texts."""
+
+    name: str  # the CSV's "model" column
+    url: str
+    key: str
+    path: str
+    body: Callable[[str], Any]  # one text -> the JSON request body
+
+    @property
+    def label(self) -> str:
+        return label(self.name)
+
+
+def label(name: str) -> str:
+    """The legend's and the table's name of a system: an --extra-archive is "pt2-handlers (NAME)"."""
+    return LABELS.get(name, f"pt2-handlers ({name})")
+
+
+def archive_target(server: tsctl.Server, model: str) -> Target:
+    return Target(model, server.inference_url, server.key("inference") or "", f"/predictions/{model}",
+                  lambda text: {"text": text})
+
+
+def peer_target(peer: peers.InfinityPeer) -> Target:
+    return Target(peer.name, peer.url, peer.key, peer.path, peer.body)
+
+
 def send_all(server: tsctl.Server, model: str, bodies: Sequence[Any], concurrency: int,
              answer_has: bytes = b"") -> dict[str, Any]:
     """POST every JSON body to ``model`` from ``concurrency`` clients; latencies (ms), errors and wall seconds.
     A 200 counts only if its payload contains ``answer_has``."""
+    return send_bodies(server.inference_url, server.key("inference") or "", f"/predictions/{model}", bodies,
+                       concurrency, answer_has)
+
+
+def send_texts(target: Target, texts: Sequence[str], concurrency: int) -> dict[str, Any]:
+    return send_bodies(target.url, target.key, target.path, [target.body(text) for text in texts], concurrency,
+                       EMBEDDING)
+
+
+def send_bodies(url: str, key: str, path: str, bodies: Sequence[Any], concurrency: int,
+                answer_has: bytes = b"") -> dict[str, Any]:
     jobs: queue.Queue[bytes] = queue.Queue()
     for body in bodies:
         jobs.put(json.dumps(body).encode())
     latencies: list[float] = []
     errors: list[str] = []
-    key, path = server.key("inference"), f"/predictions/{model}"
 
     def client_loop() -> None:
-        client = Client(server.inference_url, key)
+        client = Client(url, key)
         try:
             while True:
                 try:
@@ -206,17 +278,17 @@ def send_all(server: tsctl.Server, model: str, bodies: Sequence[Any], concurrenc
     return {"latencies": latencies, "errors": errors, "seconds": time.perf_counter() - started}
 
 
-def run_cell(server: tsctl.Server, texts: list[str], concurrency: int, rounds: int) -> dict[str, dict[str, Any]]:
-    """Both models, same texts, ``rounds`` rounds alternating the order; merged per model."""
-    merged = {model: {"latencies": [], "errors": [], "seconds": 0.0} for model in MODELS}
+def run_cell(targets: Sequence[Target], texts: list[str], concurrency: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """Every target, same texts, ``rounds`` rounds alternating the order (forward, reversed); merged per target."""
+    merged = {target.name: {"latencies": [], "errors": [], "seconds": 0.0} for target in targets}
     per_round = math.ceil(len(texts) / rounds)
     for index in range(rounds):
         chunk = texts[index * per_round:(index + 1) * per_round]
-        for model in (MODELS if index % 2 == 0 else MODELS[::-1]):
-            result = send_all(server, model, text_bodies(chunk), concurrency, EMBEDDING)
+        for target in (targets if index % 2 == 0 else targets[::-1]):
+            result = send_texts(target, chunk, concurrency)
             for key in ("latencies", "errors"):
-                merged[model][key] += result[key]
-            merged[model]["seconds"] += result["seconds"]
+                merged[target.name][key] += result[key]
+            merged[target.name]["seconds"] += result["seconds"]
     return merged
 
 
@@ -242,55 +314,74 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
-def check_agreement(server: tsctl.Server, texts: Sequence[str], tokenizer: Any) -> dict[str, Any]:
-    """Ours vs baseline on the same texts (each within 128 tokens, so the baseline truncates nothing)."""
+def check_agreement(server: tsctl.Server, texts: Sequence[str], tokenizer: Any, model: str = OURS) -> dict[str, Any]:
+    """An archive vs the baseline on the same texts (each within 128 tokens, so the baseline truncates nothing)."""
     tokens = max(len(tokenizer(text)["input_ids"]) for text in texts)
-    values = [cosine(embed(server, OURS, text), embed(server, BASELINE, text)) for text in texts]
+    values = [cosine(embed(server, model, text), embed(server, BASELINE, text)) for text in texts]
     result = {"texts": len(texts), "max_tokens": tokens, "min_cosine": round(min(values), 6),
               "ok": min(values) >= MIN_AGREEMENT}
     verdict = "OK" if result["ok"] else f"MISMATCH (below {MIN_AGREEMENT})"
-    log(f"agreement ours vs baseline: min cosine {min(values):.6f} over {len(texts)} texts "
+    who = "ours" if model == OURS else model
+    log(f"agreement {who} vs baseline: min cosine {min(values):.6f} over {len(texts)} texts "
         f"(longest {tokens} tokens) -- {verdict}")
     return result
 
 
-def describe_ours(server: tsctl.Server) -> dict[str, Any]:
-    status, raw = server.management("GET", f"/models/{OURS}?customized=true")
+def describe_ours(server: tsctl.Server, model: str = OURS) -> dict[str, Any]:
+    status, raw = server.management("GET", f"/models/{model}?customized=true")
     if status != 200:
-        log(f"describe {OURS}: HTTP {status}")
+        log(f"describe {model}: HTTP {status}")
         return {}
     meta = json.loads(raw)[0].get("customizedMetadata") or {}
     return json.loads(meta) if isinstance(meta, str) else meta
 
 
-def print_describe(meta: dict[str, Any]) -> None:
+def print_describe(meta: dict[str, Any], model: str = OURS) -> None:
     opt = meta.get("optimization") or {}
-    log(f"ours: state {meta.get('state')}, active rung {opt.get('active')}, dtype {opt.get('dtype')} "
-        f"({opt.get('dtype_reason')}), threads {opt.get('threads')}, load {meta.get('load_seconds')}s")
+    log(f"{'ours' if model == OURS else model}: state {meta.get('state')}, active rung {opt.get('active')}, "
+        f"dtype {opt.get('dtype')} ({opt.get('dtype_reason')}), threads {opt.get('threads')}, "
+        f"load {meta.get('load_seconds')}s")
     for attempt in opt.get("attempts", []):
         reason = f" -- {attempt['reason']}" if attempt.get("reason") else ""
         log(f"  rung {attempt['rung']:<13} {attempt['status']:<9} {attempt['seconds']:>7.1f}s{reason}")
 
 
-def bench(server: tsctl.Server, args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str, Any]], dict]:
-    # Ours: this process and the TorchServe started here (its frontend is the only process given our work dir).
-    roots = {os.getpid(), *pids_with_arg(str(server.run_dir.parent))}
-    words = single_token_words(tokenizer)
+def archive_names(args: argparse.Namespace) -> list[str]:
+    """Every archive TorchServe serves here, ours first and the baseline last."""
+    return [OURS, *(name for name, _ in args.extra_archive), BASELINE]
+
+
+def untimed_texts(words: Sequence[str], args: argparse.Namespace) -> tuple[list[str], list[str], random.Random]:
+    """The agreement sample and the warm-up texts, and the generator the timed texts then come from (seed 0)."""
     rng = random.Random(0)
     sample = [text for name in args.workloads for text in make_texts(words, name, 4, rng)]
     warm = [text for name in args.workloads for text in make_texts(words, name, args.warmup, rng)]
-    for model in MODELS:
-        result = send_all(server, model, text_bodies(warm), min(4, max(args.concurrency)), EMBEDDING)
-        log(f"warm-up {model}: {len(result['latencies'])} ok, {len(result['errors'])} errors")
+    return sample, warm, rng
+
+
+def bench(server: tsctl.Server, args: argparse.Namespace, tokenizer: Any,
+          peer_targets: Sequence[Target] = ()) -> tuple[list[dict[str, Any]], dict]:
+    # Ours: this process (the peers are its children) and the TorchServe started here (its frontend is the only
+    # process given our work dir).
+    roots = {os.getpid(), *pids_with_arg(str(server.run_dir.parent))}
+    words = single_token_words(tokenizer)
+    sample, warm, rng = untimed_texts(words, args)
+    archives = archive_names(args)
+    targets = [*(archive_target(server, name) for name in archives), *peer_targets]
+    for target in targets:
+        result = send_texts(target, warm, min(4, max(args.concurrency)))
+        log(f"warm-up {target.name}: {len(result['latencies'])} ok, {len(result['errors'])} errors")
     agreement = check_agreement(server, sample, tokenizer)
+    if len(archives) > 2:
+        agreement["archives"] = {name: check_agreement(server, sample, tokenizer, name) for name in archives[1:-1]}
     rows = []
     for workload in args.workloads:
         for concurrency in args.concurrency:
             texts = make_texts(words, workload, args.requests, rng)
             with OtherCpu(roots) as other:
-                merged = run_cell(server, texts, concurrency, args.rounds)
-            cell = [{**cell_row(workload, concurrency, model, merged[model]), "other_cpu_pct": other.percent}
-                    for model in MODELS]
+                merged = run_cell(targets, texts, concurrency, args.rounds)
+            cell = [{**cell_row(workload, concurrency, target.name, merged[target.name]),
+                     "other_cpu_pct": other.percent} for target in targets]
             add_ratio(cell)
             rows += cell
             log_cell(cell, merged)
@@ -298,17 +389,20 @@ def bench(server: tsctl.Server, args: argparse.Namespace, tokenizer: Any) -> tup
 
 
 def add_ratio(cell: list[dict[str, Any]]) -> None:
-    ours, base = cell
-    ratio = ours["throughput_rps"] / base["throughput_rps"] if base["throughput_rps"] else math.nan
+    """Each row's throughput over the baseline's in the same cell; every row also keeps ours / baseline."""
+    by = {row["model"]: row for row in cell}
+    base = by[BASELINE]["throughput_rps"]
     for row in cell:
-        row["throughput_ours_over_baseline"] = round(ratio, 3)
+        row["throughput_vs_baseline"] = round(row["throughput_rps"] / base, 3) if base else math.nan
+        row["throughput_ours_over_baseline"] = round(by[OURS]["throughput_rps"] / base, 3) if base else math.nan
 
 
 def log_cell(cell: list[dict[str, Any]], merged: dict[str, dict[str, Any]]) -> None:
+    width = max(8, *(len(row["model"]) for row in cell))
     for row in cell:
-        log(f"{row['workload']:>7} c={row['concurrency']:<3} {row['model']:>8}: {row['throughput_rps']:7.1f} req/s  "
-            f"p50 {row['p50_ms']:7.1f}  p90 {row['p90_ms']:7.1f}  p99 {row['p99_ms']:7.1f} ms  "
-            f"{row['ok']} ok / {row['errors']} errors")
+        log(f"{row['workload']:>7} c={row['concurrency']:<3} {row['model']:>{width}}: {row['throughput_rps']:7.1f} "
+            f"req/s ({row['throughput_vs_baseline']:.2f}x)  p50 {row['p50_ms']:7.1f}  p90 {row['p90_ms']:7.1f}  "
+            f"p99 {row['p99_ms']:7.1f} ms  {row['ok']} ok / {row['errors']} errors")
         if merged[row["model"]]["errors"]:
             log(f"  first error: {merged[row['model']]['errors'][0]}")
     other = cell[0]["other_cpu_pct"]
@@ -317,28 +411,41 @@ def log_cell(cell: list[dict[str, Any]], merged: dict[str, dict[str, Any]]) -> N
 
 
 def report(rows: list[dict[str, Any]], out: Path, data: dict[str, Any]) -> str:
+    """One table row per system and cell, in the order they were timed (ours, extra archives, baseline, peers)."""
     cells = list(dict.fromkeys((row["workload"], row["concurrency"]) for row in rows))
+    systems = list(dict.fromkeys(row["model"] for row in rows))
     by = {(row["workload"], row["concurrency"], row["model"]): row for row in rows}
     table_rows = []
     for workload, concurrency in cells:
-        ours, base = by[(workload, concurrency, OURS)], by[(workload, concurrency, BASELINE)]
-        table_rows.append([workload, concurrency, f"{ours['throughput_rps']:.1f}", f"{base['throughput_rps']:.1f}",
-                           f"{ours['throughput_ours_over_baseline']:.2f}x",
-                           f"{ours['p50_ms']:.1f} / {ours['p99_ms']:.1f}",
-                           f"{base['p50_ms']:.1f} / {base['p99_ms']:.1f}",
-                           f"{ours['errors']} / {base['errors']}", _or_dash(ours["other_cpu_pct"])])
-    table = markdown_table(["workload", "concurrency", "ours req/s", "baseline req/s", "ours/baseline",
-                            "ours p50 / p99 ms", "baseline p50 / p99 ms", "errors ours / baseline",
+        for system in systems:
+            row = by[(workload, concurrency, system)]
+            table_rows.append([workload, concurrency, label(system), f"{row['throughput_rps']:.1f}",
+                               f"{row['throughput_vs_baseline']:.2f}x", f"{row['p50_ms']:.1f} / {row['p99_ms']:.1f}",
+                               row["errors"], _or_dash(row["other_cpu_pct"])])
+    table = markdown_table(["workload", "concurrency", "system", "req/s", "vs baseline", "p50 / p99 ms", "errors",
                             "other CPU %"], table_rows)
+    checks = check_table(data)
     write_csv(out.with_suffix(".csv"), rows)
     write_json(out.with_suffix(".json"), {**data, "rows": rows})
-    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".md").write_text(table + "\n" + (f"\n{checks}\n" if checks else ""))
     labels = [f"{w} c={c}" for w, c in cells]
-    panels = [(metric, {LABELS[model]: [by[(w, c, model)][key] for w, c in cells] for model in MODELS})
+    panels = [(metric, {label(system): [by[(w, c, system)][key] for w, c in cells] for system in systems})
               for metric, key in (("throughput (req/s)", "throughput_rps"), ("p99 latency (ms)", "p99_ms"))]
-    write_plot(out.with_suffix(".png"), "MiniLM embeddings through TorchServe: pt2-handlers vs eager baseline",
-               labels, panels)
-    return table
+    title = "MiniLM embeddings, same load: pt2-handlers vs eager baseline" + (", peers" if data.get("peers") else "")
+    write_plot(out.with_suffix(".png"), title, labels, panels)
+    return table + (f"\n\n{checks}" if checks else "")
+
+
+def check_table(data: dict[str, Any]) -> str:
+    """The peers' answer checks and start-up times (empty without peers)."""
+    info = data.get("peers") or {}
+    checks = info.get("checks") or {}
+    if not checks:
+        return ""
+    rows = [[label(name), check["reference"], f"{check['min_cosine']:.8f}",
+             "timed" if check["ok"] else f"REFUSED (< {peers.MIN_COSINE})",
+             _or_dash((info.get(name) or {}).get("startup_seconds"))] for name, check in checks.items()]
+    return markdown_table(["peer", "answers checked against", "min cosine", "row", "startup s"], rows)
 
 
 def _or_dash(value: Any) -> Any:
@@ -348,14 +455,41 @@ def _or_dash(value: Any) -> Any:
 def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl.Server:
     store = work / "model_store"
     package.build(OURS, model_dir, args.config.resolve(), store)
+    for name, config in args.extra_archive:
+        package.build(name, model_dir, config, store)
     package_baseline(model_dir, store, baseline_yaml(args.config, work))
     if args.cold_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
     started = time.monotonic()
-    server = tsctl.start(tsctl.shifted_config(work, args.port_shift), store, [f"{m}={m}.mar" for m in MODELS],
+    names = archive_names(args)
+    server = tsctl.start(tsctl.shifted_config(work, args.port_shift), store, [f"{m}={m}.mar" for m in names],
                          work / "run", args.timeout)
-    log(f"TorchServe READY with both models in {time.monotonic() - started:.0f}s")
+    log(f"TorchServe READY with {len(names)} models ({', '.join(names)}) in {time.monotonic() - started:.0f}s")
     return server
+
+
+def start_peers(args: argparse.Namespace, work: Path, model_dir: Path,
+                tokenizer: Any) -> tuple[list[peers.InfinityPeer], list[Target], dict[str, Any]]:
+    """Before TorchServe (a quiet machine for their start-up times, and a failure costs no compile): start the
+    asked-for peers, check their answers on the texts the run checks and warms up with, and keep those that agree.
+    Returns every started peer (to stop), the targets to time and what was found."""
+    if not args.peers:
+        return [], [], {}
+    names = list(dict.fromkeys(args.peers))
+    started, info = peers.start_peers(names, model_dir, work / "peers", args.peer_batch_size, args.peer_timeout)
+    try:
+        sample, warm, _ = untimed_texts(single_token_words(tokenizer), args)
+        texts = sample + warm
+        log(f"checking the peers' answers on {len(texts)} texts ({', '.join(args.workloads)})")
+        reference, reference_name = peers.reference_embeddings(model_dir, texts)
+        info["checks"] = peers.check_peers(started, texts, reference, reference_name)
+    except BaseException:
+        peers.stop_peers(started)
+        raise
+    refused = [peer for peer in started if not info["checks"][peer.name]["ok"]]
+    peers.stop_peers(refused)
+    timed = [peer_target(peer) for peer in started if peer not in refused]
+    return started, timed, info
 
 
 def show_log_tail(run_dir: Path, lines: int = 30) -> None:
@@ -377,12 +511,17 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     args.config = overridden_config(args.config, args.set, work)
     header = run_header(args, {"work_dir": str(work), "model_yaml": yaml.safe_load(args.config.read_text()),
-                               "baseline_yaml": yaml.safe_load(baseline_yaml(args.config, work).read_text())})
+                               "baseline_yaml": yaml.safe_load(baseline_yaml(args.config, work).read_text()),
+                               "extra_archive_yaml": {name: yaml.safe_load(config.read_text())
+                                                      for name, config in args.extra_archive}})
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    started_peers: list[peers.InfinityPeer] = []
     try:
+        started_peers, peer_targets, peer_info = start_peers(args, work, model_dir, tokenizer)
         server = start_server(args, work, model_dir)
-        print_describe(describe_ours(server))
-        rows, agreement = bench(server, args, tokenizer)
+        for name in archive_names(args)[:-1]:
+            print_describe(describe_ours(server, name), name)
+        rows, agreement = bench(server, args, tokenizer, peer_targets)
         after = describe_ours(server)
         runtime = (after.get("optimization") or {}).get("runtime")
         log(f"ours after the run: batches {after.get('batches')}, runtime {runtime}")
@@ -390,14 +529,18 @@ def main() -> None:
         show_log_tail(work / "run")
         raise
     finally:
+        peers.stop_peers(started_peers)
         if (work / "run").is_dir():  # absent when packaging failed: nothing was started
             tsctl.stop(work / "run")
             log(f"stopped TorchServe; its logs stay in {work / 'run' / 'logs'}")
         # The archives and their unpacked copies (~150 MB); the keys of a stopped server are no use to anyone.
-        for path in (work / "model_store", work / "run" / "tmp"):
+        for path in (work / "model_store", work / "run" / "tmp", work / "peers" / "infinity-onnx-model"):
             shutil.rmtree(path, ignore_errors=True)
         (work / "run" / "key_file.json").unlink(missing_ok=True)
-    table = report(rows, args.out, {**header, "agreement": agreement, "describe_after": after})
+    data = {**header, "agreement": agreement, "describe_after": after}
+    if peer_info:
+        data["peers"] = peer_info
+    table = report(rows, args.out, data)
     log("throughput and latency per cell (ours = pt2-handlers, model 'minilm'):")
     print(table, flush=True)
 

@@ -5,6 +5,10 @@
 #   bash scripts/setup.sh                   default profile in .venv: torch 2.13.0 CPU, TorchServe, transformers 5.24
 #   bash scripts/setup.sh --profile ipex    ipex profile in .venv-ipex: torch 2.8.0 + intel-extension-for-pytorch 2.8.0,
 #                                           transformers 5.23 (IPEX 2.8 does not import with 5.24)
+#   bash scripts/setup.sh --profile infinity
+#                                           the Infinity embedding server (infinity-emb 0.0.78, torch 2.13.0 CPU,
+#                                           transformers 4.57): a peer scripts/bench_e2e.py --peers measures, never
+#                                           built by CI or scripts/test.sh; prints the venv's directory (only that on stdout)
 #   bash scripts/setup.sh --ipex-wheel      print a directory holding the unpacked IPEX wheel of the ipex pins (no
 #                                           install), for the test that puts it beside torch 2.13 (a version mismatch)
 #   bash scripts/setup.sh --qa-reference    print a directory holding transformers 4.57.1 (no install into a venv):
@@ -17,6 +21,10 @@
 # lives outside the clone, under $PT2_PROFILES_DIR (default ~/.cache/pt2-handlers), keyed by the Python version,
 # constraints/ipex.txt and the dependency lists it installs: a change of pins builds a new venv, repeat runs and
 # new clones reuse it, and .venv-ipex links to it. It is kept only if IPEX imports in it.
+# infinity: infinity-emb pins transformers <= 5.0 and sentence-transformers < 4, so it cannot share .venv; its venv
+# lives under $PT2_PROFILES_DIR too (venv-infinity-<key>, keyed by the Python version, constraints/infinity.txt and
+# the requirement it installs; ~1.6 GB, about a minute). torch is installed first, by its exact CPU pin: a bare torch
+# requirement would pull the multi-GB CUDA build.
 # The pt2-handlers package itself is NOT left installed: archives carry their own copy of `handlers`,
 # and the tests prove they load on a host without it.
 set -euo pipefail
@@ -24,15 +32,17 @@ cd "$(dirname "$0")/.."
 PROFILE=default
 case "${1:-}" in
   "") ;;
-  --profile) PROFILE=${2:?--profile needs a name: default or ipex} ;;
+  --profile) PROFILE=${2:?--profile needs a name: default, ipex or infinity} ;;
   --ipex-wheel) PROFILE=ipex-wheel ;;
   --qa-reference) PROFILE=qa-reference ;;
-  *) echo "usage: $0 [--profile default|ipex] [--ipex-wheel] [--qa-reference]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--profile default|ipex|infinity] [--ipex-wheel] [--qa-reference]" >&2; exit 2 ;;
 esac
 PROFILES_DIR=${PT2_PROFILES_DIR:-$HOME/.cache/pt2-handlers}
 DEFAULT_PINS=constraints/default.txt
 IPEX_PINS=constraints/ipex.txt
 IPEX_PIN=$(grep -i "^intel[-_]extension[-_]for[-_]pytorch==" "$IPEX_PINS")
+INFINITY_PINS=constraints/infinity.txt
+INFINITY_REQ="infinity-emb[server,torch,optimum]"  # torch and optimum (ONNX Runtime) engines, and the server
 # The last transformers with the question-answering pipeline, and the versions of its own dependencies it accepts.
 QA_REFERENCE_PINS=(transformers==4.57.1 tokenizers==0.22.2 huggingface-hub==0.36.2 requests==2.34.2 urllib3==2.8.0
                    idna==3.20 charset-normalizer==3.5.2 certifi==2026.10.18)
@@ -102,6 +112,43 @@ print(hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:12])' "$IPEX_PINS
     ln -sfn "$VENV" .venv-ipex
     report "$VENV"
     ;;
+  infinity)
+    # Everything but the venv's path goes to stderr: scripts/bench_e2e.py reads the path from stdout.
+    {
+      torch_pin=$(grep -i '^torch==' "$INFINITY_PINS")
+      key=$( (python3 -c 'import sys; print(sys.version.split()[0])'; cat "$INFINITY_PINS"; echo "$INFINITY_REQ") \
+        | sha256sum | cut -c1-12)
+      VENV="$PROFILES_DIR/venv-infinity-$key"
+      if [ -f "$VENV/.complete" ]; then
+        echo "[setup] reusing $VENV (same Python and $INFINITY_PINS)"
+      else
+        rm -rf "$VENV"
+        mkdir -p "$PROFILES_DIR"
+        echo "[setup] creating $VENV: $torch_pin first, then $INFINITY_REQ pinned by $INFINITY_PINS"
+        python3 -m venv "$VENV"
+        pip_in "$VENV" install -c "$INFINITY_PINS" "$torch_pin"
+        pip_in "$VENV" install -c "$INFINITY_PINS" "$INFINITY_REQ"
+        echo "[setup] infinity venv: $(du -sh "$VENV" | cut -f1) in $(( $(date +%s) - started ))s"
+        extra=$(unpinned "$VENV" "$INFINITY_PINS")
+        if [ -n "$extra" ]; then
+          echo "[setup] $VENV holds versions $INFINITY_PINS does not pin (regenerate it as its header says):" $extra
+          exit 1
+        fi
+        # What scripts/peers.py and the two engines import: a venv where one of them fails is never reused.
+        if ! import_error=$("$VENV/bin/python" -c 'import infinity_emb, sentence_transformers, onnxruntime
+from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTOptimizer
+from optimum.exporters.onnx import main_export' 2>&1); then
+          echo "[setup] the Infinity engines do not import in $VENV:"
+          tail -n 3 <<<"$import_error"
+          exit 1
+        fi
+        touch "$VENV/.complete"
+        find "$PROFILES_DIR" -maxdepth 1 -name 'venv-infinity-*' ! -path "$VENV" -exec rm -rf {} +
+      fi
+      echo "[setup] $PROFILE ready in $(( $(date +%s) - started ))s: $("$VENV/bin/python" -c 'import torch, transformers, infinity_emb; print("torch", torch.__version__, "transformers", transformers.__version__, "infinity-emb", infinity_emb.__version__)' 2>/dev/null)"
+    } >&2
+    echo "$VENV"
+    ;;
   ipex-wheel)
     unpacked="$PROFILES_DIR/${IPEX_PIN/==/-}-unpacked"
     if [ ! -f "$unpacked/.complete" ]; then
@@ -125,5 +172,5 @@ print(hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:12])' "$IPEX_PINS
     fi
     echo "$target"
     ;;
-  *) echo "[setup] unknown profile $PROFILE (default or ipex)" >&2; exit 2 ;;
+  *) echo "[setup] unknown profile $PROFILE (default, ipex or infinity)" >&2; exit 2 ;;
 esac
