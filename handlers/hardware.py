@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from handlers.config import DType
+from handlers.quantize import INT8_CPU_FEATURES, int8_problem
 
 # CPU features under which bf16 matmuls run in hardware (oneDNN uses AMX tiles or AVX512-BF16 dot products).
 BF16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
@@ -26,14 +27,15 @@ class Choice:
 
 
 def cpu_features() -> dict[str, bool]:
-    """Which of the bf16 CPU features are present: torch's own detection (torch >= 2.9), else the kernel's
-    CPU flags (torch 2.8, the ipex profile, has no such API); none known if neither answers."""
+    """Which of the bf16 and int8 CPU features are present: torch's own detection (torch >= 2.9), else the
+    kernel's CPU flags (torch 2.8, the ipex profile, has no such API); none known if neither answers."""
+    names = BF16_CPU_FEATURES + INT8_CPU_FEATURES
     try:
         capability = torch._C._cpu._get_cpu_capability()
     except Exception:  # noqa: BLE001 -- a torch without this private API
         flags = linux_cpu_flags()
-        return {name: name in flags for name in BF16_CPU_FEATURES}
-    return {name: bool(capability.get(name)) for name in BF16_CPU_FEATURES}
+        return {name: name in flags for name in names}
+    return {name: bool(capability.get(name)) for name in names}
 
 
 def linux_cpu_flags() -> frozenset[str]:
@@ -52,14 +54,30 @@ def resolve_precisions(requested: Sequence[DType], device: torch.device,
                        features: Mapping[str, bool] | None = None) -> Choice:
     """The precisions to try, fastest first (a tuple of DType). ``auto``: bf16 then fp32 on a CPU with bf16
     instructions (``features``: the CPU's, by default asked of torch) or a GPU that has bf16 (fp16 then fp32 on
-    one that has not), fp32 alone on other CPUs. Anything else: as configured."""
-    if tuple(requested) != (DType.AUTO,):
-        return Choice(tuple(requested), "configured")
+    one that has not), fp32 alone on other CPUs; never int8. A list: as configured, ``auto`` in it expanded so
+    (``[int8, auto]``: int8, then what auto picks), less int8 where it cannot pay (no int8 dot products on the
+    CPU) or cannot run (no torchao); the reason says which."""
+    features = cpu_features() if features is None else features
+    auto = _auto_precisions(device, features)
+    if tuple(requested) == (DType.AUTO,):
+        return auto
+    expanded = tuple(dict.fromkeys(p for dtype in requested for p in (auto.value if dtype is DType.AUTO else (dtype,))))
+    reason = "configured" + (f" ({auto.reason})" if DType.AUTO in requested else "")
+    problem = int8_problem(device, features) if DType.INT8 in expanded else None
+    if problem is None:
+        return Choice(expanded, reason)
+    kept = tuple(dtype for dtype in expanded if dtype is not DType.INT8)
+    if not kept:
+        return Choice((DType.FLOAT32,), f"configured int8 alone, but {problem}; fp32, the reference")
+    return Choice(kept, f"{reason}, less int8: {problem}")
+
+
+def _auto_precisions(device: torch.device, features: Mapping[str, bool]) -> Choice:
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return Choice((DType.BFLOAT16, DType.FLOAT32), "auto: the GPU has bf16; fp32 where bf16 fails the gate")
         return Choice((DType.FLOAT16, DType.FLOAT32), "auto: the GPU has no bf16; fp16, fp32 where it fails the gate")
-    found = [name for name, present in (cpu_features() if features is None else features).items() if present]
+    found = [name for name in BF16_CPU_FEATURES if features.get(name)]
     if found:
         return Choice((DType.BFLOAT16, DType.FLOAT32),
                       f"auto: the CPU has {'/'.join(found)}; fp32 where bf16 fails the gate")

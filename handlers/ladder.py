@@ -25,6 +25,7 @@ import torch
 
 from handlers import plan
 from handlers.config import DType
+from handlers.quantize import in_precision
 from handlers.dynamo_watch import DynamoCounts, dynamo_counts, steady_state_problem
 from handlers.rungs import CompileRung, EagerRung, Forward, Rung
 
@@ -126,7 +127,9 @@ def run_ladder(
     with torch.inference_mode():
         references = [_detached(run(reference, batch)) for batch in warmup_batches]
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run)
-    step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt)
+    by_name = {rung.name: rung for rung in rungs}
+    step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
+                     runs_in=lambda rung, precision: by_name[rung].runs_in(DType(precision)))
     if step.is_reference:
         planned = DType.FLOAT32 in precisions
         reason = None if planned else (f"no rung kept the answers in {' or '.join(p.value for p in precisions)}; "
@@ -187,7 +190,7 @@ class _Walk:
     def _model(self, dtype: DType) -> torch.nn.Module:
         """The model in ``dtype``: the reference itself for fp32, a converted copy (made once) otherwise."""
         if dtype not in self._models:
-            self._models[dtype] = copy.deepcopy(self.reference).to(dtype.torch)
+            self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
         return self._models[dtype]
 
 

@@ -6,7 +6,8 @@ precisions come from the YAML's ``dtype``, fastest first; fp32 eager, the refere
 1. Before a half precision's first attempt it is *screened*: the model runs eagerly in it, through the warmup
    and the quality gate (seconds, no compile). A precision whose eager answers fail the gate is tried on no
    rung: what it loses is the precision's doing, and no compile gives it back.
-2. Rungs go in order, each at the fastest precision still allowed.
+2. Rungs go in order, each at the fastest precision still allowed that it can run in (int8 is compile-only:
+   eager or IPEX int8 would be slower than their bf16/fp32, so they start at the next precision).
 3. A rung that runs but fails the gate is tried at the next precision, before any lower rung.
 4. A rung that raises, or cannot run here, hands over to the next rung, at the fastest precision.
 5. Eager at a screened precision was proven by its screen; fp32 eager is the reference and always serves.
@@ -45,10 +46,12 @@ class Step:
 REFERENCE = Step(EAGER, REFERENCE_PRECISION)
 
 
-def walk(rungs: Sequence[str], precisions: Sequence[str], attempt: Callable[[Step], Outcome]) -> Step:
+def walk(rungs: Sequence[str], precisions: Sequence[str], attempt: Callable[[Step], Outcome],
+         runs_in: Callable[[str, str], bool] = lambda rung, precision: True) -> Step:
     """Make the attempts in the ladder's order, each through ``attempt``, until one is accepted; return it.
-    ``rungs`` in the configured order, ``precisions`` fastest first. Returns ``REFERENCE`` when no other step
-    is accepted (``attempt`` is never asked to run it: the reference needs no proof)."""
+    ``rungs`` in the configured order, ``precisions`` fastest first; ``runs_in(rung, precision)`` says which
+    pairs exist at all. Returns ``REFERENCE`` when no other step is accepted (``attempt`` is never asked to run
+    it: the reference needs no proof)."""
     screened: dict[str, bool] = {}
 
     def allowed(precision: str) -> bool:
@@ -63,7 +66,7 @@ def walk(rungs: Sequence[str], precisions: Sequence[str], attempt: Callable[[Ste
             step = Step(rung, precision)
             if step.is_reference:
                 return REFERENCE
-            if not allowed(precision):
+            if not runs_in(rung, precision) or not allowed(precision):
                 continue
             outcome = attempt(step)
             if outcome is Outcome.ACCEPTED:

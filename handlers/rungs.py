@@ -29,6 +29,12 @@ class Rung(ABC):
         """Why this rung cannot be tried here, or None when it can."""
         return None
 
+    def runs_in(self, dtype: DType) -> bool:
+        """Whether this rung takes a model in ``dtype`` at all. int8 is for compile rungs alone: inductor fuses
+        the activations' quantization into one oneDNN int8 kernel per linear; run eagerly or by IPEX, int8 is
+        slower than the float precisions."""
+        return dtype is not DType.INT8
+
     @abstractmethod
     def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
         """``module`` (already in ``dtype``) run this way."""
@@ -54,6 +60,9 @@ class CompileRung(Rung):
         if self._skip_reason is None and self.spec.backend == IPEX_BACKEND:
             return probe_ipex()[1]  # importing IPEX registers its backend
         return self._skip_reason
+
+    def runs_in(self, dtype: DType) -> bool:
+        return dtype is not DType.INT8 or self.spec.backend != IPEX_BACKEND  # IPEX's backend knows no torchao
 
     def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
         compiled = torch.compile(module, **self.spec.kwargs())

@@ -10,7 +10,10 @@ bf16 as a deep copy cast with ``.to``):
 
     eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (the shipped rung: bf16 where the
     CPU has AVX512-BF16 or AMX, fp32 elsewhere), compile-{dynamic,static}-{fp32,bf16}-frozen,
+    compile-{dynamic,static}-int8[-frozen] (handlers.quantize.in_precision: torchao int8 linears, as the int8 rung),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
+    onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
+    which its rows report),
     ipex-{fp32,bf16} (only where intel_extension_for_pytorch imports)
 
 Each shape is batch x tokens, every row a full-length text. Per variant and shape: the first call (the
@@ -47,7 +50,7 @@ Runner = Callable[[Batch], Any]
 class Variant:
     name: str
     kind: str  # eager | compile | onnxruntime | ipex
-    dtype: str  # float32 | bfloat16
+    dtype: str  # float32 | bfloat16 | int8
     dynamic: bool | None = None
     freezing: bool = False
 
@@ -61,7 +64,11 @@ VARIANTS = (
     Variant("compile-dynamic-bf16", "compile", "bfloat16", dynamic=True),
     Variant("compile-dynamic-bf16-frozen", "compile", "bfloat16", dynamic=True, freezing=True),
     Variant("compile-static-bf16-frozen", "compile", "bfloat16", dynamic=False, freezing=True),
+    Variant("compile-dynamic-int8", "compile", "int8", dynamic=True),
+    Variant("compile-dynamic-int8-frozen", "compile", "int8", dynamic=True, freezing=True),
+    Variant("compile-static-int8-frozen", "compile", "int8", dynamic=False, freezing=True),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
+    Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),
     Variant("ipex-bf16", "ipex", "bfloat16"),
 )
@@ -107,9 +114,16 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
     """A callable batch -> embeddings for ``variant``; raises Skip when it cannot run here."""
     import torch
 
-    dtype = getattr(torch, variant.dtype)
     if variant.kind == "onnxruntime":
-        return onnxruntime_runner(module, batches, threads)
+        return onnxruntime_runner(module, batches, threads, quantized=variant.dtype == "int8")
+    if variant.dtype == "int8":
+        from handlers.config import DType
+        from handlers.quantize import in_precision
+
+        served = torch.compile(in_precision(copy.deepcopy(module), DType.INT8), dynamic=variant.dynamic,
+                               options={"freezing": True} if variant.freezing else None)
+        return one_graph_runner(served) if variant.dynamic else (lambda batch: served(**batch))
+    dtype = getattr(torch, variant.dtype)
     if variant.kind == "ipex":
         try:
             import intel_extension_for_pytorch as ipex
@@ -148,8 +162,10 @@ def one_graph_runner(compiled: Any) -> Runner:
     return run
 
 
-def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int) -> Runner:
-    """Export with the dynamo exporter (dynamic batch and seq), open in ORT, check cosine vs eager fp32."""
+def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int, quantized: bool = False) -> Runner:
+    """Export with the dynamo exporter (dynamic batch and seq), open in ORT, check cosine vs eager fp32.
+    ``quantized``: ORT's own int8 (quantize_dynamic: int8 weights, dynamic uint8 activations), its cosine
+    reported rather than required."""
     import torch
 
     try:
@@ -169,6 +185,11 @@ def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int) -> 
                               output_names=["sentence_embedding"], dynamic_shapes=(axes, axes), verbose=False)
         except Exception as exc:  # the exporter raises many types; any of them means "no ORT row"
             raise Skip(f"torch.onnx.export(dynamo=True) failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        if quantized:
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            quantize_dynamic(str(path), str(path.with_suffix(".int8.onnx")), weight_type=QuantType.QInt8)
+            path = path.with_suffix(".int8.onnx")
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     def run(batch: Batch) -> Any:
@@ -177,8 +198,10 @@ def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int) -> 
 
     with torch.no_grad():
         cosine = min(min_cosine(run(batch), module(**batch)) for batch in [*batches.values(), padded(sample)])
-    log(f"onnxruntime-fp32: cosine vs eager fp32 (all shapes + a padded batch) {cosine:.6f}; needs {ORT_MIN_COSINE}")
-    if cosine < ORT_MIN_COSINE:
+    name = "onnxruntime-int8" if quantized else "onnxruntime-fp32"
+    log(f"{name}: cosine vs eager fp32 (all shapes + a padded batch) {cosine:.6f}"
+        + ("" if quantized else f"; needs {ORT_MIN_COSINE}"))
+    if cosine < ORT_MIN_COSINE and not quantized:
         raise Skip(f"ORT answers differ from eager fp32: min cosine {cosine:.6f} < {ORT_MIN_COSINE}")
     return run
 

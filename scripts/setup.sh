@@ -66,8 +66,8 @@ case "$PROFILE" in
       echo "[setup] creating $VENV"
       python3 -m venv "$VENV"
     fi
-    echo "[setup] installing pt2-handlers dependencies (.[cpu,test,grpc,deploy,example,docs]) pinned by $DEFAULT_PINS"
-    pip_in "$VENV" install -c "$DEFAULT_PINS" ".[cpu,test,grpc,deploy,example,docs]"
+    echo "[setup] installing pt2-handlers dependencies (.[cpu,int8,test,grpc,deploy,example,docs]) pinned by $DEFAULT_PINS"
+    pip_in "$VENV" install -c "$DEFAULT_PINS" ".[cpu,int8,test,grpc,deploy,example,docs]"
     pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
     # Not fatal here: a developer's .venv may hold extras of their own (e.g. the bench extra).
     extra=$(unpinned "$VENV" "$DEFAULT_PINS")

@@ -147,6 +147,7 @@ def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
                          ("minilm-qa", "minilm-question-answering.yaml"),
                          ("tiny-llama", "tiny-llama-generation.yaml")):
         package.build(name, task_model_dirs[name], REPO / "model_configs" / config, store)
+    package.build("minilm-int8", minilm_dir, REPO / "model_configs" / "minilm-embeddings-int8.yaml", store)
     for name, config in (("minilm-faulty", "minilm-faulty-backend.yaml"), ("minilm-wrong", "minilm-wrong-numbers.yaml"),
                          ("minilm-breaks", "minilm-breaks-after-ready.yaml")):
         package.build(name, minilm_dir, REPO / "tests" / "configs" / config, store,

@@ -302,6 +302,7 @@ def test_dtype_auto_asks_torch_for_the_cpu_flags_by_default(monkeypatch):
     ("bfloat16", (DType.BFLOAT16,)),
     (["bfloat16", "float32"], (DType.BFLOAT16, DType.FLOAT32)),
     (["float32"], (DType.FLOAT32,)),
+    (["float16", "auto"], (DType.FLOAT16, *resolve_precisions((DType.AUTO,), torch.device("cpu")).value)),
 ])
 def test_an_explicit_dtype_or_list_is_tried_as_written(dtype, precisions):
     configured = load_config({"pt2_handlers": {"dtype": dtype}}).settings.dtype
@@ -309,8 +310,10 @@ def test_an_explicit_dtype_or_list_is_tried_as_written(dtype, precisions):
 
 
 @pytest.mark.parametrize(("dtype", "message"), [
-    (["bfloat16", "auto"],
-     "'auto' is not a precision; a list takes some of: float32, bfloat16, float16, int8 (auto stands"),
+    (["auto", "int8"], "dtype[0]: auto may only end a list, after a precision: [int8, auto] tries int8, then"),
+    (["auto"], "dtype[0]: auto may only end a list, after a precision"),
+    (["int8", "avto"], "'avto' is not a precision (did you mean auto?); a list takes some of: float32, bfloat16, "
+                       "float16, int8, and auto last"),
     (["bfloat61"], "'bfloat61' is not a precision (did you mean bfloat16?)"),
     (["float32", "float32"], "a list names each precision once, at least one"),
     ([], "a list names each precision once, at least one"),

@@ -9,6 +9,7 @@ from handlers.plan import REFERENCE, Outcome, Step, walk
 
 RUNGS = ("compile", "safe_compile", "ipex", "eager")
 BF16_FP32 = ("bfloat16", "float32")
+INT8_BF16_FP32 = ("int8", "bfloat16", "float32")
 A, G, R, S = Outcome.ACCEPTED, Outcome.GATE_FAILED, Outcome.RAISED, Outcome.SKIPPED
 
 
@@ -21,8 +22,13 @@ def run(precisions, outcomes, rungs=RUNGS):
         asked.append(key)
         return outcomes.get(key, R)
 
-    served = walk(rungs, precisions, attempt)
+    served = walk(rungs, precisions, attempt, runs_in=compile_only_int8)
     return asked, f"{served.rung}@{served.precision}"
+
+
+def compile_only_int8(rung: str, precision: str) -> bool:
+    """As handlers.rungs says: int8 runs on the compile rungs alone."""
+    return precision != "int8" or rung in ("compile", "safe_compile")
 
 
 @pytest.mark.parametrize(("precisions", "outcomes", "asked", "served"), [
@@ -57,6 +63,18 @@ def run(precisions, outcomes, rungs=RUNGS):
     # Three precisions: a failed screen skips fp16 everywhere; bf16 is screened only when reached.
     (("float16", "bfloat16", "float32"), {"screen@float16": G, "screen@bfloat16": A, "compile@bfloat16": A},
      ["screen@float16", "screen@bfloat16", "compile@bfloat16"], "compile@bfloat16"),
+    # int8 first: screened eagerly, then compiled; its gate failing tries the same compile in bf16.
+    (INT8_BF16_FP32, {"screen@int8": A, "compile@int8": G, "screen@bfloat16": A, "compile@bfloat16": A},
+     ["screen@int8", "compile@int8", "screen@bfloat16", "compile@bfloat16"], "compile@bfloat16"),
+    # int8 loses the answers even eagerly: no compile runs in int8.
+    (INT8_BF16_FP32, {"screen@int8": G, "screen@bfloat16": A, "compile@bfloat16": A},
+     ["screen@int8", "screen@bfloat16", "compile@bfloat16"], "compile@bfloat16"),
+    # Nothing compiles: IPEX and eager never run int8 (slower than their bf16), so they start at bf16; int8's
+    # passed screen does not make eager int8 a candidate.
+    (INT8_BF16_FP32, {"screen@int8": A, "compile@int8": S, "safe_compile@int8": S, "screen@bfloat16": A,
+                      "ipex@bfloat16": S, "eager@bfloat16": A},
+     ["screen@int8", "compile@int8", "safe_compile@int8", "screen@bfloat16", "ipex@bfloat16", "eager@bfloat16"],
+     "eager@bfloat16"),
 ])
 def test_the_order_of_attempts(precisions, outcomes, asked, served):
     assert run(precisions, outcomes) == (asked, served)
@@ -72,3 +90,8 @@ def test_no_step_is_asked_twice():
 def test_the_reference_is_never_run():
     asked, served = run(("float32",), {}, rungs=("eager",))
     assert (asked, served) == ([], "eager@float32") and REFERENCE.is_reference
+
+
+def test_a_ladder_without_compile_rungs_never_screens_int8():
+    assert run(("int8", "float32"), {"ipex@float32": S}, rungs=("ipex", "eager")) == (["ipex@float32"],
+                                                                                        "eager@float32")

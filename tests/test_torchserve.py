@@ -437,6 +437,29 @@ def assert_same_classification(got: list[dict], want: list[dict], tolerance: flo
 
 
 @pytest.mark.default_profile  # the task itself is proven compiled in both (tests/test_<task>.py)
+def test_the_int8_archive_serves_int8_where_the_cpu_has_int8_dot_products(server, reference):
+    """model_configs/minilm-embeddings-int8.yaml, compiled by inductor: int8 where the CPU has VNNI or AMX and
+    torchao imports (int8 screened, then compiled, within the int8 gate); elsewhere describe says why not and
+    auto's precisions serve."""
+    optimization = registered(server, "minilm-int8", metric="min_cosine")
+    tried = optimization["precisions"]["tried_in_order"]
+    attempts = [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
+    if "int8" in tried:
+        assert attempts == [("eager", "int8", "passed"), ("compile", "int8", "accepted")], attempts
+        assert optimization["dtype"] == "int8" and accepted_attempt(optimization)["quality"]["threshold"] == 0.99
+    else:
+        assert "less int8: " in optimization["precisions"]["reason"], optimization["precisions"]
+        assert optimization["dtype"] != "int8"
+    answers = concurrently(server, [{"inputs": TEXTS[:3]}, {"text": TEXTS[3]}, {"inputs": TEXTS[4:]}],
+                           model="minilm-int8")
+    assert all(status == 200 for status, _ in answers), answers
+    got = [*answers[0][1]["embeddings"], answers[1][1]["embedding"], *answers[2][1]["embeddings"]]
+    assert_close_embeddings(got, reference(TEXTS), min_cosine=0.99)
+    assert_nothing_compiled_after_ready(server, "minilm-int8")
+    status, body = server.management("DELETE", "/models/minilm-int8")
+    assert status == 200, body
+
+
 def test_text_classification_compiled_equals_the_pipeline(server, task_model_dirs):
     import transformers
 

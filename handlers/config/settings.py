@@ -18,7 +18,7 @@ from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
 from handlers.task_catalog import TASK_FACTS, TASK_NAMES
 
 DEFAULTS = HandlerSettings()
-PRECISIONS = tuple(d.value for d in DType if d is not DType.AUTO)  # what a dtype list may name
+PRECISIONS = tuple(d.value for d in DType if d is not DType.AUTO)  # what a dtype list may name (and auto, last)
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
@@ -93,10 +93,11 @@ def _gate_thresholds_model() -> type[BaseModel]:
 QualityGateKeys = _gate_thresholds_model()
 TaskName = Annotated[str, WithJsonSchema({"type": "string", "oneOf": [
     {"const": facts.name, "description": facts.summary} for facts in TASK_FACTS.values()]})]
-DTypeInput = Annotated[one_of(DType) | Annotated[list[Literal[PRECISIONS]], Field(min_length=1)],
+DTypeInput = Annotated[one_of(DType) | Annotated[list[Literal[(*PRECISIONS, DType.AUTO.value)]], Field(min_length=1)],
                        WithJsonSchema({"anyOf": [
                            {"enum": [d.value for d in DType]},
-                           {"type": "array", "items": {"enum": list(PRECISIONS)}, "minItems": 1, "uniqueItems": True},
+                           {"type": "array", "items": {"enum": [*PRECISIONS, DType.AUTO.value]}, "minItems": 1,
+                            "uniqueItems": True},
                        ]})]
 
 
@@ -110,12 +111,14 @@ def _check_task(name: Any) -> str:
 
 
 def _read_dtype(value: Any, info: ValidationInfo) -> tuple[DType, ...]:
-    """One precision, ``auto``, or a list of precisions to try in order (fastest first)."""
+    """One precision, ``auto``, or a list of precisions to try in order (fastest first), which ``auto`` may end
+    (``[int8, auto]``: int8, then what auto picks on the hardware)."""
     if isinstance(value, str):
         precisions = (choose(DType, value, DTYPE_ALIASES),)
     elif isinstance(value, list | tuple):
-        wrong = [((index,), f"{name!r} is not a precision{_hint(name)}; a list takes some of: {', '.join(PRECISIONS)} "
-                            "(auto stands alone)", name) for index, name in enumerate(value) if name not in PRECISIONS]
+        last = len(value) - 1
+        wrong = [((index,), _not_in_a_list(name), name) for index, name in enumerate(value)
+                 if name not in PRECISIONS and not (name == DType.AUTO.value and index == last > 0)]
         if wrong:
             raise problems(wrong)
         precisions = tuple(DType(name) for name in value)
@@ -130,9 +133,15 @@ def _read_dtype(value: Any, info: ValidationInfo) -> tuple[DType, ...]:
     return precisions
 
 
+def _not_in_a_list(name: Any) -> str:
+    if name == DType.AUTO.value:
+        return "auto may only end a list, after a precision: [int8, auto] tries int8, then what auto picks"
+    return f"{name!r} is not a precision{_hint(name)}; a list takes some of: {', '.join(PRECISIONS)}, and auto last"
+
+
 def _hint(name: Any) -> str:
     alias = DTYPE_ALIASES.get(name) if isinstance(name, str) else None
-    return f" (did you mean {alias}?)" if alias else did_you_mean(name, PRECISIONS)
+    return f" (did you mean {alias}?)" if alias else did_you_mean(name, (*PRECISIONS, DType.AUTO.value))
 
 
 def _read_ladder(value: Any) -> tuple[RungName, ...]:
@@ -235,8 +244,10 @@ class SettingsSection(Section):
     dtype: Precisions = Field(DEFAULTS.dtype, json_schema_extra={"default": DType.AUTO.value})
     """The precisions to try, fastest first. `auto`: `[bfloat16, float32]` on a CPU with AMX or AVX512-BF16 or a GPU
     with bf16 (`[float16, float32]` on one without), `[float32]` on other CPUs. Or one precision (that one only), or a
-    list of them, each once, e.g. `[bfloat16, float32]`. `int8` (int8 linear layers, the rest in float32) is
-    opt-in: never chosen by `auto`. The fp32 model is always loaded too: the reference and the eager fallback."""
+    list of them, each once, e.g. `[bfloat16, float32]`, which `auto` may end: `[int8, auto]` tries int8, then what
+    `auto` picks. `int8` (int8 linear layers, the rest in float32) is opt-in: never chosen by `auto`, and left out
+    on a CPU without int8 dot products (VNNI or AMX), where it would not be faster. The fp32 model is always loaded
+    too: the reference and the eager fallback."""
     ladder: Ladder = Field(DEFAULTS.ladder, json_schema_extra={"uniqueItems": True, "minItems": 1})
     """The rungs to try, in order: `compile` (what `pt2.compile` asks for), `safe_compile` (inductor, default mode,
     no custom options), `ipex` (CPU only), `eager`. `eager` always ends the ladder: left out, it is added; listed,

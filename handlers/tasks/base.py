@@ -17,7 +17,7 @@ import torch
 from handlers import open_inference
 from handlers.config import DType, TooLong
 from handlers.errors import ConfigError, InvalidInput
-from handlers.ladder import Forward, QualityError, QualityGate, tensors
+from handlers.ladder import Forward, Quality, QualityError, QualityGate, tensors
 from handlers.shapes import ShapePolicy
 
 WARMUP_WORDS = "the quick brown fox jumps over the lazy dog while a cat watches from the warm window".split()
@@ -217,22 +217,33 @@ class ScoreGate(QualityGate):
     """``score_agreement`` = 1 - the largest score difference from fp32 eager, over every output, row and
     label. ``to_scores`` turns each output tensor into the probabilities clients see (e.g. a softmax over
     logits); by default the outputs are those probabilities. Scores within ``max_error`` also keep the
-    labels: a ranking can only flip between labels whose fp32 scores are within twice that."""
+    labels: a ranking can only flip between labels whose fp32 scores are within twice that. ``same_labels``
+    (int8, whose error bound is wider) also wants every top label identical: each row's class, each token's
+    entity label, each question's most likely answer start and end."""
 
     metric = "score_agreement"
 
-    def __init__(self, max_error: float, to_scores: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, max_error: float, to_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 same_labels: bool = False):
         self.threshold = 1.0 - max_error
         self.to_scores = to_scores or (lambda scores: scores)
+        self.same_labels = same_labels
 
     def measure(self, actual: Any, expected: Any) -> float:
         got, want = list(tensors(actual)), list(tensors(expected))
         if [t.shape for t in got] != [t.shape for t in want]:
             raise QualityError(f"outputs have shapes {[tuple(t.shape) for t in got]}, "
                                f"fp32 eager {[tuple(t.shape) for t in want]}")
-        error = max((self.to_scores(ours.detach().float().cpu()) - self.to_scores(theirs.float().cpu())).abs().max()
-                    for ours, theirs in zip(got, want, strict=True))
-        return 1.0 - error.nan_to_num(2.0).item()
+        pairs = [(self.to_scores(ours.detach().float().cpu()), self.to_scores(theirs.float().cpu()))
+                 for ours, theirs in zip(got, want, strict=True)]
+        value = 1.0 - max((ours - theirs).abs().max() for ours, theirs in pairs).nan_to_num(2.0).item()
+        if self.same_labels:
+            changed = sum(int((ours.argmax(-1) != theirs.argmax(-1)).sum()) for ours, theirs in pairs)
+            if changed:
+                total = sum(theirs[..., 0].numel() for _, theirs in pairs)
+                raise QualityError(f"{changed} of {total} top labels differ from fp32 eager's "
+                                   f"({self.metric} {value:.6f})", Quality(self.metric, value, self.threshold))
+        return value
 
 
 # fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits: about 2 decimals of a probability;
@@ -246,7 +257,7 @@ def score_gate(dtype: DType, overrides: Mapping[str, float],
     """The score gate of the classification-like tasks: ``max_score_error`` for fp32 rungs,
     ``max_score_error_half`` for bf16/fp16 ones, ``max_score_error_int8`` for int8 ones."""
     return ScoreGate(gate_threshold(dtype, overrides, SCORE_GATE_KEYS, DEFAULT_MAX_SCORE_ERROR, (0.0, 1.0),
-                                    "a probability difference"), to_scores)
+                                    "a probability difference"), to_scores, same_labels=dtype is DType.INT8)
 
 
 def softmax_scores(logits: torch.Tensor) -> torch.Tensor:

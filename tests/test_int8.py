@@ -1,0 +1,114 @@
+"""int8, the opt-in precision: where it is tried, how its gate judges, and real models through the ladder in it.
+
+The engine tests compile with dynamo's ``eager`` backend (the order of attempts and the gate are what is tested;
+tests/test_torchserve.py serves the shipped int8 archive compiled by inductor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from handlers import hardware, quantize
+from handlers.config import ConfigError, DType, load_config
+from handlers.engine import Engine
+from handlers.ladder import QualityError
+from handlers.tasks.base import score_gate, softmax_scores
+
+CPU = torch.device("cpu")
+INT8, BF16, FP32, AUTO = DType.INT8, DType.BFLOAT16, DType.FLOAT32, DType.AUTO
+VNNI_AND_BF16 = {"avx512_bf16": True, "avx512_vnni": True}
+AVX2_ONLY: dict[str, bool] = {}
+SHAPES = {"policy": "buckets", "batch_sizes": [1, 2], "seq_lengths": [32]}
+TEXTS = ["int8 keeps two nines of cosine", "a second, rather longer sentence about quantized linear layers"]
+
+
+def test_int8_is_tried_only_where_the_cpu_has_int8_dot_products():
+    configured = (INT8, BF16, FP32)
+    assert hardware.resolve_precisions(configured, CPU, VNNI_AND_BF16) == hardware.Choice(configured, "configured")
+    dropped = hardware.resolve_precisions(configured, CPU, AVX2_ONLY)
+    assert dropped.value == (BF16, FP32)
+    assert dropped.reason.startswith("configured, less int8: the CPU has none of amx_int8/avx512_vnni/avx_vnni")
+    alone = hardware.resolve_precisions((INT8,), CPU, AVX2_ONLY)
+    assert alone.value == (FP32,) and alone.reason.startswith("configured int8 alone, but the CPU has none")
+
+
+def test_auto_never_picks_int8_and_int8_then_auto_takes_what_auto_picks():
+    amx = {"amx_bf16": True, "amx_int8": True}
+    assert hardware.resolve_precisions((AUTO,), CPU, amx).value == (BF16, FP32)
+    choice = hardware.resolve_precisions((INT8, AUTO), CPU, amx)
+    assert choice.value == (INT8, BF16, FP32) and "auto: the CPU has amx_bf16" in choice.reason
+    assert hardware.resolve_precisions((INT8, AUTO), CPU, {"avx512_vnni": True}).value == (INT8, FP32)
+    assert hardware.resolve_precisions((INT8, AUTO), CPU, AVX2_ONLY).value == (FP32,)
+
+
+def test_the_int8_score_gate_wants_every_top_label_kept():
+    want = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.1, 0.0]])
+    got = torch.tensor([[2.0, 1.0, 0.0], [0.1, 0.0, 0.0]])  # the second row's label flips; scores move ~0.05
+    half = score_gate(BF16, {}, softmax_scores)
+    assert 0.9 < half.measure(got, want) < 0.99  # bf16's gate judges the score error alone
+    with pytest.raises(QualityError, match=r"1 of 2 top labels differ from fp32 eager's") as failed:
+        score_gate(INT8, {}, softmax_scores).measure(got, want)
+    assert failed.value.quality.metric == "score_agreement" and failed.value.quality.threshold == 0.95
+    assert score_gate(INT8, {}, softmax_scores).measure(want, want) == 1.0
+
+
+def test_the_int8_gate_thresholds_are_configurable_and_checked():
+    raw = {"pt2_handlers": {"task": "embeddings", "quality_gate": {"min_cosine_int8": 0.995}}}
+    assert dict(load_config(raw).settings.quality_gate) == {"min_cosine_int8": 0.995}
+    raw["pt2_handlers"]["quality_gate"] = {"min_cosine_int8": 1.5}
+    with pytest.raises(ConfigError, match=r"min_cosine_int8 is a cosine in \[-1, 1\]"):
+        load_config(raw)
+
+
+def test_generation_refuses_int8_in_the_yaml():
+    with pytest.raises(ConfigError, match="text-generation serves float32"):
+        load_config({"pt2_handlers": {"task": "text-generation", "dtype": ["int8", "float32"]}})
+
+
+@pytest.fixture
+def int8_cpu(monkeypatch):
+    """int8 runs (slowly) on any x86 CPU. Where this one has no int8 dot products the engine would drop it, so it
+    is told they are there: what is tested is the ladder's int8 path, not its speed."""
+    features = hardware.cpu_features()
+    if not any(features.get(name) for name in quantize.INT8_CPU_FEATURES):
+        monkeypatch.setattr(hardware, "cpu_features", lambda: {**features, "avx512_vnni": True})
+
+
+def load(model_dir: Path, task: str, dtype) -> Engine:
+    torch._dynamo.reset()
+    raw = {"pt2": {"compile": {"enable": True, "backend": "eager"}},
+           "pt2_handlers": {"task": task, "model_dir": str(model_dir), "dtype": dtype, "shapes": SHAPES,
+                            "ladder": ["compile", "safe_compile", "ipex", "eager"]}}
+    engine = Engine(load_config(raw), Path("/"), CPU, model_dir.name)
+    engine.load()
+    return engine
+
+
+def steps(optimization: dict) -> list[tuple[str, str, str]]:
+    return [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
+
+
+def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir, reference):
+    engine = load(minilm_dir, "embeddings", ["int8", "float32"])
+    optimization = engine.describe()["optimization"]
+    assert steps(optimization) == [("eager", "int8", "passed"), ("compile", "int8", "accepted")]
+    assert (optimization["active"], optimization["dtype"]) == ("compile", "int8")
+    for attempt in optimization["attempts"]:
+        assert attempt["quality"]["metric"] == "min_cosine"
+        assert attempt["quality"]["threshold"] == 0.99 <= attempt["quality"]["value"] < 0.9999
+    [answer] = engine.predict([{"inputs": TEXTS}])
+    cosine = torch.nn.functional.cosine_similarity(torch.tensor(answer["embeddings"]), reference(TEXTS), dim=-1)
+    assert cosine.min().item() >= 0.99
+
+
+def test_a_head_whose_labels_int8_flips_is_screened_out_and_compiles_in_fp32(int8_cpu, task_model_dirs):
+    """The seeded NER head moves probabilities by 2-4 % even in bf16; in int8 its labels change: the int8 screen
+    says so, and one compile serves fp32."""
+    engine = load(task_model_dirs["minilm-ner"], "token-classification", ["int8", "float32"])
+    optimization = engine.describe()["optimization"]
+    assert steps(optimization) == [("eager", "int8", "failed"), ("compile", "float32", "accepted")]
+    screen = optimization["attempts"][0]
+    assert screen["screen"] and "so no rung runs in int8" in screen["reason"]
+    assert screen["quality"]["metric"] == "score_agreement" and screen["quality"]["threshold"] == 0.95
