@@ -73,7 +73,7 @@ class Engine:
         self.max_batch_requests = 0
         self.last_batch = BatchStats()
         self.precisions = hardware.resolve_precisions(config.settings.dtype, device)  # to try, fastest first
-        float32_only = check_task(config.settings.task).float32_only
+        float32_only = check_task(config.settings.task).facts().float32_only
         if float32_only and self.precisions.value != (DType.FLOAT32,):
             self.precisions = hardware.Choice((DType.FLOAT32,), f"{config.settings.task} serves float32: "
                                                                 f"{float32_only}")

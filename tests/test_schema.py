@@ -119,13 +119,14 @@ def test_an_editor_flags_the_mistakes_the_schema_can_see(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(TASK_FACTS))
-def test_the_catalog_says_what_each_task_class_declares(name):
-    """Config validates against handlers/task_catalog.py, the engine asks the task class: the two must agree."""
+def test_the_catalog_names_each_task_class_and_its_gate(name):
+    """Config validates against handlers/task_catalog.py; the task class found there reads its facts from it, and
+    its gate's defaults are the catalog's."""
     facts, task_class = TASK_FACTS[name], check_task(name)
     assert f"{task_class.__module__}:{task_class.__name__}" == facts.location and task_class.name == name
-    assert task_class.gate_keys == facts.gate.keys
-    assert (task_class.float32_only, task_class.static_shapes_only) == (facts.float32_only, facts.static_shapes_only)
-    assert task_class.default_shapes == facts.default_shapes
+    assert task_class.facts() is facts
+    assert task_class.quality_gate(DType.FLOAT32, {}).threshold == pytest.approx(
+        facts.gate.defaults[0] if facts.gate.keys[0].startswith("min") else 1 - facts.gate.defaults[0])
 
 
 @pytest.mark.parametrize("name", sorted(TASK_FACTS))

@@ -19,6 +19,7 @@ from handlers.config import DType, TooLong
 from handlers.errors import ConfigError, InvalidInput
 from handlers.ladder import Forward, Quality, QualityError, QualityGate, tensors
 from handlers.shapes import ShapePolicy
+from handlers.task_catalog import SCORE_GATE, TASK_FACTS, GateFacts, TaskFacts
 
 WARMUP_WORDS = "the quick brown fox jumps over the lazy dog while a cat watches from the warm window".split()
 
@@ -50,17 +51,18 @@ class Served(Protocol):
 
 
 class Task(ABC):
-    """One task. Subclasses set ``name``, ``model_class``, ``gate_keys`` and ``default_too_long``, and
-    implement the hooks."""
+    """One task. Subclasses set ``name``, ``model_class`` and ``default_too_long``, and implement the hooks. What
+    configuration checks about a task (its gate keys and their defaults, default shapes, what it refuses) is in
+    ``handlers.task_catalog``, under its name: ``facts()``."""
 
     name: ClassVar[str]
     model_class: ClassVar[Any]  # a transformers Auto* class
-    gate_keys: ClassVar[tuple[str, ...]]  # the keys this task reads from pt2_handlers.quality_gate
     default_too_long: ClassVar[TooLong] = TooLong.REJECT  # a text past max_length, unless the YAML says
-    float32_only: ClassVar[str | None] = None  # why this task serves float32 only, if it does
-    static_shapes_only: ClassVar[str | None] = None  # why this task refuses the dynamic shape policy, if it does
-    default_shapes: ClassVar[ShapePolicy] = ShapePolicy()  # the buckets a YAML without pt2_handlers.shapes gets
     open_inference_output: ClassVar[str]  # the v2 output's name where an answer is one tensor
+
+    @classmethod
+    def facts(cls) -> TaskFacts:
+        return TASK_FACTS[cls.name]
 
     @classmethod
     @abstractmethod
@@ -246,18 +248,11 @@ class ScoreGate(QualityGate):
         return value
 
 
-# fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits: about 2 decimals of a probability;
-# int8 linears (per-token activation, per-channel weight scales) about one.
-DEFAULT_MAX_SCORE_ERROR = {DType.FLOAT32: 1e-4, DType.BFLOAT16: 1e-2, DType.FLOAT16: 1e-2, DType.INT8: 5e-2}
-SCORE_GATE_KEYS = ("max_score_error", "max_score_error_half", "max_score_error_int8")
-
-
 def score_gate(dtype: DType, overrides: Mapping[str, float],
                to_scores: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ScoreGate:
     """The score gate of the classification-like tasks: ``max_score_error`` for fp32 rungs,
     ``max_score_error_half`` for bf16/fp16 ones, ``max_score_error_int8`` for int8 ones."""
-    return ScoreGate(gate_threshold(dtype, overrides, SCORE_GATE_KEYS, DEFAULT_MAX_SCORE_ERROR, (0.0, 1.0),
-                                    "a probability difference"), to_scores, same_labels=dtype is DType.INT8)
+    return ScoreGate(gate_threshold(dtype, overrides, SCORE_GATE), to_scores, same_labels=dtype is DType.INT8)
 
 
 def softmax_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -268,7 +263,6 @@ class ScoredTask(Task, ABC):
     """A task judged by the score gate. Its module returns logits (softmaxed for the gate) unless
     ``outputs_are_scores``."""
 
-    gate_keys = SCORE_GATE_KEYS
     outputs_are_scores: ClassVar[bool] = False
 
     @classmethod
@@ -276,13 +270,13 @@ class ScoredTask(Task, ABC):
         return score_gate(dtype, overrides, None if cls.outputs_are_scores else softmax_scores)
 
 
-def gate_threshold(dtype: DType, overrides: Mapping[str, float], keys: tuple[str, str, str],
-                   defaults: Mapping[DType, float], bounds: tuple[float, float], what: str) -> float:
-    """A task's configured (or default) gate value: ``keys[0]`` for fp32 rungs, ``keys[1]`` for bf16/fp16
-    ones, ``keys[2]`` for int8 ones; a ConfigError for any configured value outside ``bounds``."""
-    low, high = bounds
+def gate_threshold(dtype: DType, overrides: Mapping[str, float], gate: GateFacts) -> float:
+    """A task's configured (or default) gate value for a rung in ``dtype``: the key of its precision family (fp32,
+    bf16/fp16, int8; a gate with one key has it for all); a ConfigError for any configured value out of range."""
+    low, high = gate.bounds
     for key, value in overrides.items():
         if not low <= value <= high:
-            raise ConfigError(f"pt2_handlers.quality_gate.{key} is {what} in [{low:g}, {high:g}], got {value!r}")
-    key = keys[0] if dtype is DType.FLOAT32 else keys[2] if dtype is DType.INT8 else keys[1]
-    return overrides.get(key, defaults[dtype])
+            raise ConfigError(f"pt2_handlers.quality_gate.{key} is {gate.what} in [{low:g}, {high:g}], got {value!r}")
+    family = 0 if dtype is DType.FLOAT32 else 2 if dtype is DType.INT8 else 1
+    index = min(family, len(gate.keys) - 1)
+    return overrides.get(gate.keys[index], gate.defaults[index])

@@ -69,23 +69,19 @@ class CosineGate(QualityGate):
         return cosine.nan_to_num(-1.0).min().item()
 
 
-# fp32 kernels only reorder sums; bf16/fp16 keep 8-11 mantissa bits, enough for 3 nines of cosine; int8
-# linears keep two (the issue's bar for embeddings clients can still rank with).
-DEFAULT_MIN_COSINE = {DType.FLOAT32: 0.9999, DType.BFLOAT16: 0.999, DType.FLOAT16: 0.999, DType.INT8: 0.99}
 
 
 class EmbeddingsTask(Task):
     name = "embeddings"
     open_inference_output = "embedding"
     model_class = transformers.AutoModel
-    gate_keys = ("min_cosine", "min_cosine_half", "min_cosine_int8")
     default_too_long = TooLong.TRUNCATE  # as sentence-transformers encodes
 
     @classmethod
     def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> CosineGate:
         """``min_cosine`` applies to fp32 rungs, ``min_cosine_half`` to bf16/fp16 ones, ``min_cosine_int8`` to
         int8 ones."""
-        return CosineGate(gate_threshold(dtype, overrides, cls.gate_keys, DEFAULT_MIN_COSINE, (-1.0, 1.0), "a cosine"))
+        return CosineGate(gate_threshold(dtype, overrides, cls.facts().gate))
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         return MeanPooledEmbedder(model).eval()

@@ -36,10 +36,9 @@ import transformers
 
 from handlers import open_inference
 from handlers.config import DType, TooLong
-from handlers.errors import ConfigError, InvalidInput
+from handlers.errors import InvalidInput
 from handlers.ladder import Forward, QualityError, QualityGate, tensors
-from handlers.shapes import ShapePolicy
-from handlers.tasks.base import Emit, Encoded, Served, Task
+from handlers.tasks.base import Emit, Encoded, Served, Task, gate_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -186,19 +185,10 @@ class TextGenerationTask(Task):
     name = "text-generation"
     open_inference_output = "generated_text"
     model_class = transformers.AutoModelForCausalLM
-    gate_keys = ("min_token_agreement",)
-    float32_only = "its gate wants greedy tokens identical to fp32 eager's, which half types rarely keep"
-    static_shapes_only = "the decode step runs against a static KV cache per (batch, cache length) bucket"
-    # Cache lengths: a prompt and its new tokens fit the smallest bucket that holds them (max_length is added).
-    default_shapes = ShapePolicy(batch_sizes=(1, 4), seq_lengths=(256,))
 
     @classmethod
     def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> TokenGate:
-        threshold = overrides.get("min_token_agreement", 1.0)
-        if not 0.0 <= threshold <= 1.0:
-            raise ConfigError("pt2_handlers.quality_gate.min_token_agreement is a share of tokens in [0, 1], "
-                              f"got {threshold!r}")
-        return TokenGate(threshold)
+        return TokenGate(gate_threshold(dtype, overrides, cls.facts().gate))
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         self._model_config = model.config
