@@ -48,7 +48,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
     gpu needs CUDA; ipex needs the ipex profile; ipex_mismatch needs the default profile and the IPEX wheel
     unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv; default_profile runs in the default
-    profile only. scripts/test.sh provides them all, says which profile each stage is (PT2_PROFILE) and runs both,
+    profile only; torchao needs torchao, which the default profile installs and the ipex profile (torch 2.8) has not.
+    scripts/test.sh provides them all, says which profile each stage is (PT2_PROFILE) and runs both,
     so only gpu stays unrun on a CPU machine."""
     for marker, reason in unavailable_reasons(declared_profile()).items():
         chosen = [item for item in items if item.get_closest_marker(marker)]
@@ -73,7 +74,18 @@ def unavailable_reasons(profile: str | None) -> dict[str, str | None]:
     qa_reference = None if os.environ.get(QA_REFERENCE_ENV) else (
         f"set {QA_REFERENCE_ENV} to transformers 4.57.1 (scripts/test.sh does: setup.sh --qa-reference)")
     return {"gpu": gpu, "ipex": ipex, "ipex_mismatch": mismatch, "qa_reference": qa_reference,
-            "default_profile": default_only}
+            "default_profile": default_only, "torchao": torchao_reason(profile)}
+
+
+def torchao_reason(profile: str | None) -> str | None:
+    """Why the int8 tests that need torchao cannot run here. Never in the default profile, which installs torchao:
+    there a torchao that does not import fails those tests instead of hiding them."""
+    if profile == "default":
+        return None
+    from handlers.quantize import probe_torchao
+
+    reason = probe_torchao()[1]
+    return None if reason is None else f"{reason} (the default profile has it)"
 
 
 def profile_reasons(profile: str | None) -> tuple[str | None, str | None]:

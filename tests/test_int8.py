@@ -24,6 +24,7 @@ SHAPES = {"policy": "buckets", "batch_sizes": [1, 2], "seq_lengths": [32]}
 TEXTS = ["int8 keeps two nines of cosine", "a second, rather longer sentence about quantized linear layers"]
 
 
+@pytest.mark.torchao
 def test_int8_is_tried_only_where_the_cpu_has_int8_dot_products():
     configured = (INT8, BF16, FP32)
     assert hardware.resolve_precisions(configured, CPU, VNNI_AND_BF16) == hardware.Choice(configured, "configured")
@@ -34,6 +35,7 @@ def test_int8_is_tried_only_where_the_cpu_has_int8_dot_products():
     assert alone.value == (FP32,) and alone.reason.startswith("configured int8 alone, but the CPU has none")
 
 
+@pytest.mark.torchao
 def test_auto_never_picks_int8_and_int8_then_auto_takes_what_auto_picks():
     amx = {"amx_bf16": True, "amx_int8": True}
     assert hardware.resolve_precisions((AUTO,), CPU, amx).value == (BF16, FP32)
@@ -41,6 +43,17 @@ def test_auto_never_picks_int8_and_int8_then_auto_takes_what_auto_picks():
     assert choice.value == (INT8, BF16, FP32) and "auto: the CPU has amx_bf16" in choice.reason
     assert hardware.resolve_precisions((INT8, AUTO), CPU, {"avx512_vnni": True}).value == (INT8, FP32)
     assert hardware.resolve_precisions((INT8, AUTO), CPU, AVX2_ONLY).value == (FP32,)
+
+
+def test_without_torchao_int8_is_left_out_and_describe_says_why():
+    """The ipex profile (torch 2.8) has no torchao; the default profile has, and there int8 is kept."""
+    problem = quantize.probe_torchao()[1]
+    choice = hardware.resolve_precisions((INT8, FP32), CPU, VNNI_AND_BF16)
+    if problem is None:
+        assert choice.value == (INT8, FP32)
+    else:
+        assert choice.value == (FP32,) and choice.reason == f"configured, less int8: {problem}"
+        assert "torchao" in problem
 
 
 def test_the_int8_score_gate_wants_every_top_label_kept():
@@ -90,6 +103,7 @@ def steps(optimization: dict) -> list[tuple[str, str, str]]:
     return [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
 
 
+@pytest.mark.torchao
 def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir, reference):
     engine = load(minilm_dir, "embeddings", ["int8", "float32"])
     optimization = engine.describe()["optimization"]
@@ -103,6 +117,7 @@ def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir,
     assert cosine.min().item() >= 0.99
 
 
+@pytest.mark.torchao
 def test_a_head_whose_labels_int8_flips_is_screened_out_and_compiles_in_fp32(int8_cpu, task_model_dirs):
     """The seeded NER head moves probabilities by 2-4 % even in bf16; in int8 its labels change: the int8 screen
     says so, and one compile serves fp32."""
