@@ -437,10 +437,11 @@ def assert_same_classification(got: list[dict], want: list[dict], tolerance: flo
 
 
 @pytest.mark.default_profile  # the task itself is proven compiled in both (tests/test_<task>.py)
+@pytest.mark.torchao
 def test_the_int8_archive_serves_int8_where_the_cpu_has_int8_dot_products(server, reference):
-    """model_configs/minilm-embeddings-int8.yaml, compiled by inductor: int8 where the CPU has VNNI or AMX and
-    torchao imports (int8 screened, then compiled, within the int8 gate); elsewhere describe says why not and
-    auto's precisions serve."""
+    """model_configs/minilm-embeddings-int8.yaml, compiled by inductor: int8 where the CPU has VNNI or AMX (int8
+    screened, then compiled, within the int8 gate); on other CPUs describe says why not and auto's precisions
+    serve. (Without torchao, the ipex profile, tests/test_int8.py checks the reason.)"""
     optimization = registered(server, "minilm-int8", metric="min_cosine")
     tried = optimization["precisions"]["tried_in_order"]
     attempts = [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
