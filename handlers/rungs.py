@@ -89,7 +89,7 @@ class CompileRung(Rung):
         # No precompiled C++ headers: inductor keeps them under $TMPDIR, outside the compile cache, and builds
         # them again in every new process whose kernels are not in memory, even when every kernel is already
         # in the cache: +6 s on a new host or container with a warm cache volume. Cold compiles measured no
-        # slower without them (bench_restart.py, README: Restarts).
+        # slower without them (bench_restart.py, docs/performance.md: Restarts).
         stack.enter_context(inductor_config.patch(cpp_cache_precompile_headers=False))
         if self.spec.one_graph:
             # Only while tracing: the guards it produces then admit batch size 1 to the same graph.

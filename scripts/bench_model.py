@@ -2,7 +2,7 @@
 """Model-only latency of the embedded MiniLM (MeanPooledEmbedder, no TorchServe): eager, torch.compile, ORT.
 
 Why: the handler's ladder picks one configuration at load; this shows what each candidate costs per forward
-and to compile, on this machine, so the shipped choice (and its README numbers) can be checked.
+and to compile, on this machine, so the shipped choice (and its numbers in docs/performance.md) can be checked.
 
 Variants, each built the way the handler builds its rung (``torch.compile(module, dynamic=...)``, plus
 ``options={"freezing": True}`` for the -frozen ones; dynamic ones traced as one graph for every batch size;

@@ -8,7 +8,7 @@ Each good neighbour must get the answer it gets when sent alone, the worker must
 good request afterwards must get the same answer as before.
 
   .venv/bin/python scripts/hostile_inputs.py --model minilm       # against the server scripts/start.sh started
-  .venv/bin/python scripts/hostile_inputs.py --markdown           # the README's table, from the cases below
+  .venv/bin/python scripts/hostile_inputs.py --markdown           # docs/tasks/errors.md's table, from the cases below
 
 The integration tests run ``check`` against every task's archive (tests/test_torchserve.py).
 """
@@ -284,7 +284,7 @@ def check(server: tsctl.Server, model: str, max_request_size: int = DEFAULT_MAX_
 
 
 def markdown(max_request_size: int = DEFAULT_MAX_REQUEST_SIZE) -> str:
-    """The README's table: one row per kind, the status and message fragment per task."""
+    """docs/tasks/errors.md's table: one row per kind, the status and message fragment per task."""
     def limits(task: str) -> dict[str, Any]:  # as for the shipped configs, with a 256-token model
         return {"max_length": 256, "max_per_request": None if task == "text-generation" else 64,
                 "too_long": "truncate" if task == "embeddings" else "reject"}
