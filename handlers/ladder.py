@@ -127,9 +127,8 @@ def run_ladder(
     with torch.inference_mode():
         references = [_detached(run(reference, batch)) for batch in warmup_batches]
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run)
-    by_name = {rung.name: rung for rung in rungs}
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
-                     runs_in=lambda rung, precision: by_name[rung].runs_in(DType(precision)))
+                     runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)))
     if step.is_reference:
         planned = DType.FLOAT32 in precisions
         reason = None if planned else (f"no rung kept the answers in {' or '.join(p.value for p in precisions)}; "
