@@ -57,6 +57,16 @@ def test_the_production_config_is_deliberate():
                                        for a in addresses), addresses
 
 
+def test_the_frontend_jvm_runs_c1_only_in_every_shipped_config(production):
+    """C2's compiler threads take cores from the worker's OpenMP threads (docs/performance.md: the frontend's JIT):
+    the three shipped server configs say C1 only, and the running frontend's JVM got it."""
+    shipped = [PRODUCTION, tsctl.DEFAULT_CONFIG, REPO / "deploy" / "k8s" / "shared" / "config.properties"]
+    vmargs = {str(path.relative_to(REPO)): tsctl.read_properties(path).get("vmargs") for path in shipped}
+    assert set(vmargs.values()) == {"-XX:TieredStopAtLevel=1"}, vmargs
+    pid = int((production.run_dir / "tmp" / ".model_server.pid").read_text())
+    command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert b"org.pytorch.serve.ModelServer" in command and b"-XX:TieredStopAtLevel=1" in command, command
+
 def test_the_model_api_is_off_even_with_the_management_key(production):
     status, body = production.management("POST", "/models?url=minilm.mar&model_name=again")
     assert status == 405 and json.loads(body)["type"] == "MethodNotAllowedException", body
