@@ -75,6 +75,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override the model YAML (both models' batching follows it), e.g. maxBatchDelay=1 "
                              "minWorkers=2 pt2_handlers.threads=1")
+    parser.add_argument("--server-set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="lines added to TorchServe's config.properties, e.g. vmargs=-XX:TieredStopAtLevel=4 "
+                             "(the JVM's default JIT, C2, instead of the shipped C1 only)")
     parser.add_argument("--port-shift", type=int, default=20000)
     parser.add_argument("--cold-cache", action="store_true",
                         help="a new empty inductor cache (default: the repo's .cache/inductor, like scripts/start.sh)")
@@ -462,8 +465,8 @@ def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
     started = time.monotonic()
     names = archive_names(args)
-    server = tsctl.start(tsctl.shifted_config(work, args.port_shift), store, [f"{m}={m}.mar" for m in names],
-                         work / "run", args.timeout)
+    config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
+    server = tsctl.start(config, store, [f"{m}={m}.mar" for m in names], work / "run", args.timeout)
     log(f"TorchServe READY with {len(names)} models ({', '.join(names)}) in {time.monotonic() - started:.0f}s")
     return server
 

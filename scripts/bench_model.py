@@ -11,6 +11,7 @@ bf16 as a deep copy cast with ``.to``):
     eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (the shipped rung: bf16 where the
     CPU has AVX512-BF16 or AMX, fp32 elsewhere), compile-{dynamic,static}-{fp32,bf16}-frozen,
     compile-{dynamic,static}-int8[-frozen] (handlers.quantize.in_precision: torchao int8 linears, as the int8 rung),
+    compile-dynamic-int8-bf16 (the same int8 linears, the layers between them in bf16 instead of fp32),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
     which its rows report),
@@ -67,6 +68,7 @@ VARIANTS = (
     Variant("compile-dynamic-int8", "compile", "int8", dynamic=True),
     Variant("compile-dynamic-int8-frozen", "compile", "int8", dynamic=True, freezing=True),
     Variant("compile-static-int8-frozen", "compile", "int8", dynamic=False, freezing=True),
+    Variant("compile-dynamic-int8-bf16", "compile", "int8+bfloat16", dynamic=True),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),
@@ -116,12 +118,13 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
 
     if variant.kind == "onnxruntime":
         return onnxruntime_runner(module, batches, threads, quantized=variant.dtype == "int8")
-    if variant.dtype == "int8":
+    if variant.dtype.startswith("int8"):
         from handlers.config import DType
         from handlers.quantize import in_precision
 
-        served = torch.compile(in_precision(copy.deepcopy(module), DType.INT8), dynamic=variant.dynamic,
-                               options={"freezing": True} if variant.freezing else None)
+        rest = torch.bfloat16 if variant.dtype == "int8+bfloat16" else torch.float32
+        served = torch.compile(in_precision(copy.deepcopy(module), DType.INT8, rest=rest),
+                               dynamic=variant.dynamic, options={"freezing": True} if variant.freezing else None)
         return one_graph_runner(served) if variant.dynamic else (lambda batch: served(**batch))
     dtype = getattr(torch, variant.dtype)
     if variant.kind == "ipex":

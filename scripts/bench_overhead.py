@@ -117,9 +117,7 @@ def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path
     """Client latency (ms) of each lone request through TorchServe, one keep-alive connection, one at a time."""
     store = work / "model_store"
     package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
-    config = tsctl.shifted_config(work, args.port_shift)
-    with config.open("a") as properties:
-        properties.writelines(f"{line}\n" for line in args.server_set)
+    config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
     started = time.monotonic()
     server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar"], work / "run", 900)
     log(f"TorchServe READY in {time.monotonic() - started:.0f}s")
@@ -156,9 +154,9 @@ def main() -> None:
     write_csv(args.out.with_suffix(".csv"), rows)
     order = [name for name in ("client", "torchserve", "handle", "ours", "forward", *STAGES[:2], STAGES[3], "adapter")
              if name in stats]
-    table = markdown_table(["part", "p50 ms", "p90 ms", "mean ms"],
-                           [[name, f"{stats[name]['p50']:.3f}", f"{stats[name]['p90']:.3f}",
-                             f"{stats[name]['mean']:.3f}"] for name in order])
+    table = markdown_table(["part", "p50 ms", "p90 ms", "p99 ms", "mean ms"],
+                           [[name, *(f"{stats[name][q]:.3f}" for q in ("p50", "p90", "p99", "mean"))]
+                            for name in order])
     notes = (f"lone requests of {args.words[0]}-{args.words[1]} words, {args.requests} timed after {args.warmup}; "
              f"other processes used {other.percent}% of the CPU")
     args.out.with_suffix(".md").write_text(f"{header['command']}\n\n{table}\n\n{notes}\n")

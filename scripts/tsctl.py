@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib import error, request
@@ -83,13 +84,14 @@ def server_for(config: Path, run_dir: Path) -> Server:
     )
 
 
-def shifted_config(out_dir: Path, shift: int, config: Path = DEFAULT_CONFIG) -> Path:
+def shifted_config(out_dir: Path, shift: int, config: Path = DEFAULT_CONFIG, extra: Sequence[str] = ()) -> Path:
     """``config`` with every port moved by ``shift`` (worker ports too), written to ``out_dir``, so that servers
-    for tests (+10000, +11000), benchmarks (+20000, +30000) and a dev server (+0) never collide."""
+    for tests (+10000, +11000), benchmarks (+20000, +30000) and a dev server (+0) never collide. ``extra``:
+    KEY=VALUE lines appended (a key set twice takes the last value, as TorchServe reads properties)."""
     text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + shift}",
                   config.read_text())
     path = out_dir / config.name
-    path.write_text(text + f"\ninitial_worker_port={9000 + shift}\n")
+    path.write_text(text + f"\ninitial_worker_port={9000 + shift}\n" + "".join(f"{line}\n" for line in extra))
     return path
 
 

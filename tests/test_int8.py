@@ -127,3 +127,25 @@ def test_a_head_whose_labels_int8_flips_is_screened_out_and_compiles_in_fp32(int
     screen = optimization["attempts"][0]
     assert screen["screen"] and "so no rung runs in int8" in screen["reason"]
     assert screen["quality"]["metric"] == "score_agreement" and screen["quality"]["threshold"] == 0.95
+
+
+@pytest.mark.torchao
+def test_int8_quantizes_the_linears_and_leaves_the_rest_in_the_float_dtype_asked_for():
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 8))
+
+    from torchao.utils import TorchAOBaseTensor
+
+    reference = model()
+    rows = torch.randn(4, 64)
+    for rest in (torch.float32, torch.bfloat16):
+        served = quantize.in_precision(model(), INT8, rest=rest)
+        linear, norm = served[0].weight, served[1].weight
+        assert isinstance(linear, TorchAOBaseTensor) and not isinstance(norm, TorchAOBaseTensor), type(linear)
+        assert norm.dtype == rest
+        with torch.inference_mode():
+            got = served(rows.to(rest)).float()
+        cosine = torch.nn.functional.cosine_similarity(got, reference(rows), dim=-1).min().item()
+        assert cosine > 0.99, (rest, cosine)
