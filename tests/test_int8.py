@@ -144,6 +144,7 @@ def test_int8_quantizes_the_linears_and_leaves_the_rest_in_the_float_dtype_asked
         served = quantize.in_precision(model(), INT8, rest=rest)
         linear, norm = served[0].weight, served[1].weight
         assert isinstance(linear, TorchAOBaseTensor) and not isinstance(norm, TorchAOBaseTensor), type(linear)
+        assert linear.act_quant_kwargs is not None  # activations quantized per row, on the fly
         assert norm.dtype == rest
         with torch.inference_mode():
             got = served(rows.to(rest)).float()
