@@ -141,6 +141,9 @@ def test_the_input_mapping_is_never_mutated():
         ({"pt2_handlers": {"threads": "many"}}, r"pt2_handlers.threads must be int"),
         ({"pt2_handlers": {"compile_cache": 3}}, r"pt2_handlers.compile_cache must be str"),
         ({"minWorkers": 0}, r"minWorkers must be a positive integer"),
+        ({"batchSize": 4, "maxBatchDelay": 0}, r"maxBatchDelay is 0, which TorchServe 0.12 reads as unset: it would "
+                                               r"hold each lone request for its default 100 ms"),
+        ({"maxBatchDelay": -1}, r"maxBatchDelay must be 0 or more, got -1"),
         ({"pt2_handlers": {"max_runtime_failure": 3}}, r"pt2_handlers: unknown key\(s\) max_runtime_failure"),
         ({"pt2_handlers": "embeddings"}, r"pt2_handlers must be a mapping, got str"),
         ({"pt2_handlers": {"too_long": "cut"}}, r"pt2_handlers.too_long: 'cut' is not allowed; use one of: reject, "

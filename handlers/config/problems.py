@@ -64,6 +64,8 @@ def _worded(path: str, detail: Any) -> str:
         text = f"must be {TYPE_WORDS[kind]}, got {type(value).__name__} {value!r}"
     elif kind == "greater_than" and detail["ctx"]["gt"] == 0:
         text = f"must be a positive integer, got {value!r}"
+    elif kind == "greater_than_equal" and detail["ctx"]["ge"] == 0:
+        text = f"must be 0 or more, got {value!r}"
     elif kind == "too_short":
         text = f"must be a non-empty list, got {value!r}"
     else:  # a check pydantic words itself

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, WrapValidator
+from pydantic import ConfigDict, Field, StrictInt, ValidationInfo, WrapValidator, field_validator
 
-from handlers.config.fields import PositiveInt, Section
+from handlers.config.fields import PositiveInt, Section, problem
 from handlers.config.pt2 import CompileSection, LegacyBackendName, LegacyCompileSection, Pt2Section, \
     declared_dynamic, read_pt2
 from handlers.config.settings import SettingsSection, read_settings
@@ -40,6 +40,20 @@ class ModelYaml(Section):
     """This package's settings."""
     minWorkers: PositiveInt = 1  # TorchServe's spelling
     """TorchServe's worker count; here also how many workers share this host's cores (`threads: auto`)."""
+    batchSize: PositiveInt = 1
+    """TorchServe's server-side batching: up to this many requests per forward."""
+    maxBatchDelay: Annotated[StrictInt, Field(ge=0)] = 100
+    """TorchServe's wait, in ms, for a batch to fill (its default: 100). With `batchSize` above 1, 0 is refused:
+    TorchServe 0.12 reads it as unset and holds each lone request for its default 100 ms (measured: p50 119 ms
+    against 10.6 with 1)."""
+
+    @field_validator("maxBatchDelay")
+    @classmethod
+    def _zero_reads_as_unset(cls, value: int, info: ValidationInfo) -> int:
+        if value == 0 and info.data.get("batchSize", 1) > 1:
+            raise problem("is 0, which TorchServe 0.12 reads as unset: it would hold each lone request for its "
+                          "default 100 ms, waiting for a batch to fill; use 1, or batchSize: 1 for no batching")
+        return value
 
 
 def validate_model_yaml(raw: Mapping[str, Any]) -> ModelYaml:
@@ -54,6 +68,10 @@ def json_schema() -> dict[str, Any]:
     version (backends and modes are examples there, checked at load)."""
     schema = ModelYaml.model_json_schema()
     _tidy(schema)
+    # maxBatchDelay's rule, as ModelYaml checks it: 0 is refused where requests are batched
+    schema.setdefault("allOf", []).append({
+        "if": {"properties": {"batchSize": {"minimum": 2}}, "required": ["batchSize"]},
+        "then": {"properties": {"maxBatchDelay": {"minimum": 1}}}})
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
