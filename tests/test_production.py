@@ -67,6 +67,7 @@ def test_the_frontend_jvm_runs_c1_only_in_every_shipped_config(production):
     command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     assert b"org.pytorch.serve.ModelServer" in command and b"-XX:TieredStopAtLevel=1" in command, command
 
+
 def test_the_model_api_is_off_even_with_the_management_key(production):
     status, body = production.management("POST", "/models?url=minilm.mar&model_name=again")
     assert status == 405 and json.loads(body)["type"] == "MethodNotAllowedException", body
