@@ -66,6 +66,8 @@ class CompileRung(Rung):
 
     def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
         compiled = torch.compile(module, **self.spec.kwargs())
+        if self.spec.freezing and self.spec.backend == "inductor":
+            compiled = _freezing_while_traced(compiled)
         if self.spec.uses_cuda_graphs and _device_of(module).type == "cuda":
             return _with_cudagraph_steps(compiled)
         return compiled
@@ -99,6 +101,20 @@ class CompileRung(Rung):
 
 def _device_of(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
+
+
+def _freezing_while_traced(compiled: Forward) -> Forward:
+    """Inductor freezing that takes effect. ``torch.compile(options={"freezing": True})`` alone does nothing
+    (torch 2.13): dynamo reads the global ``torch._inductor.config.freezing`` while it traces, before the options
+    apply, and lifts the weights to graph inputs, which inductor cannot freeze. The flag is set around every call,
+    since any call may trace (the warmup, or a new shape after READY); ~13 us each."""
+    from torch._inductor import config as inductor_config  # imports dynamo: not before the cache dir is set
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with inductor_config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 def _with_cudagraph_steps(compiled: Forward) -> Forward:

@@ -4,9 +4,9 @@
 Why: the handler's ladder picks one configuration at load; this shows what each candidate costs per forward
 and to compile, on this machine, so the shipped choice (and its numbers in docs/performance.md) can be checked.
 
-Variants, each built the way the handler builds its rung (``torch.compile(module, dynamic=...)``, plus
-``options={"freezing": True}`` for the -frozen ones; dynamic ones traced as one graph for every batch size;
-bf16 as a deep copy cast with ``.to``):
+Variants, each built the way the handler builds its rung (handlers.rungs.CompileRung: ``torch.compile(module,
+dynamic=...)``, with inductor freezing on while it traces for the -frozen ones; dynamic ones traced as one graph
+for every batch size; bf16 as a deep copy cast with ``.to``):
 
     eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (the shipped rung: bf16 where the
     CPU has AVX512-BF16 or AMX, fp32 elsewhere), compile-{dynamic,static}-{fp32,bf16}-frozen,
@@ -123,8 +123,7 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
         from handlers.quantize import in_precision
 
         rest = torch.bfloat16 if variant.dtype == "int8+bfloat16" else torch.float32
-        served = torch.compile(in_precision(copy.deepcopy(module), DType.INT8, rest=rest),
-                               dynamic=variant.dynamic, options={"freezing": True} if variant.freezing else None)
+        served = compile_as_rung(in_precision(copy.deepcopy(module), DType.INT8, rest=rest), variant)
         return one_graph_runner(served) if variant.dynamic else (lambda batch: served(**batch))
     dtype = getattr(torch, variant.dtype)
     if variant.kind == "ipex":
@@ -140,11 +139,19 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
     # A copy whenever it is compiled: freezing folds the weights into the graph, and eager-fp32 stays the reference.
     served = module if variant.kind == "eager" and dtype is torch.float32 else copy.deepcopy(module).to(dtype)
     if variant.kind == "compile":
-        options = {"freezing": True} if variant.freezing else None
-        served = torch.compile(served, dynamic=variant.dynamic, options=options)
+        served = compile_as_rung(served, variant)
         if variant.dynamic:
             return one_graph_runner(served)
     return lambda batch: served(**batch)
+
+
+def compile_as_rung(module: Any, variant: Variant) -> Any:
+    """``module`` compiled as the handler's compile rung does it (handlers.rungs.CompileRung), freezing included."""
+    from handlers.config import CompileSpec, DType
+    from handlers.rungs import CompileRung
+
+    spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing)
+    return CompileRung("compile", spec).apply(module, DType.FLOAT32)
 
 
 def one_graph_runner(compiled: Any) -> Runner:

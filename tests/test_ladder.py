@@ -198,6 +198,31 @@ def test_safe_compile_identical_to_the_request_is_skipped():
     assert rungs[1].unavailable_reason() == "identical to the compile rung"
 
 
+@pytest.mark.parametrize("freezing", [True, False])
+def test_freezing_makes_the_weights_constants_of_the_compiled_graph(freezing, net, batches):
+    """``freezing: true`` must freeze: inductor folds the weights into the graph, so a later in-place change to
+    a weight no longer reaches the output (torch.compile's ``options={"freezing": True}`` alone does not do it;
+    the weights stay graph inputs). Without freezing the change shows."""
+    torch._dynamo.reset()
+    spec = CompileSpec(enabled=True, backend="inductor", dynamic=False, freezing=freezing)
+    forward = CompileRung("compile", spec).apply(net, DType.FLOAT32)
+    x = batches[0]["x"]
+    with torch.inference_mode():
+        before = forward(x=x)
+        torch.testing.assert_close(before, net(x))
+    graphs = compiled_graphs()
+    with torch.no_grad():
+        net.down.bias.add_(1.0)  # the same tensor: dynamo's guards still pass, nothing is traced again
+    with torch.inference_mode():
+        after = forward(x=x)
+    assert compiled_graphs() == graphs
+    if freezing:
+        torch.testing.assert_close(after, before)
+    else:
+        torch.testing.assert_close(after, before + 1.0)
+    torch._dynamo.reset()
+
+
 def test_ipex_is_cpu_only():
     rung = IpexRung(torch.device("cuda", 0))
     assert rung.unavailable_reason() == "IPEX runs on CPU only; this worker uses cuda:0"
