@@ -205,9 +205,10 @@ def test_freezing_makes_the_weights_constants_of_the_compiled_graph(freezing, ne
     the weights stay graph inputs). Without freezing the change shows."""
     torch._dynamo.reset()
     spec = CompileSpec(enabled=True, backend="inductor", dynamic=False, freezing=freezing)
-    forward = CompileRung("compile", spec).apply(net, DType.FLOAT32)
+    rung = CompileRung("compile", spec)
+    forward = rung.apply(net, DType.FLOAT32)
     x = batches[0]["x"]
-    with torch.inference_mode():
+    with torch.inference_mode(), rung.warmup_context(1):  # traced as the ladder traces
         before = forward(x=x)
         torch.testing.assert_close(before, net(x))
     graphs = compiled_graphs()

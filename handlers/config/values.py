@@ -115,7 +115,7 @@ class HandlerSettings:
     ladder: tuple[RungName, ...] = (RungName.COMPILE, RungName.SAFE_COMPILE, RungName.IPEX, RungName.EAGER)
     shapes: ShapePolicy = field(default_factory=ShapePolicy)
     quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
-    freezing: bool = False  # measured: no gain with bf16 on an AVX512-BF16 CPU, and slower warm restarts
+    freezing: bool = False  # faster forwards, slower warm restarts: the model YAML chooses
     threads: int | None = None  # None: the cores shared among minWorkers workers
     compile_cache: str | None = None  # None: TORCHINDUCTOR_CACHE_DIR, else torch's default
     max_runtime_failures: int = 3
