@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import sys
 import tempfile
@@ -89,6 +90,7 @@ def in_process(args: argparse.Namespace, bodies: list[bytes]) -> dict[str, list[
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         context = torchserve_context(args.config, Path(tmp))
         handler = Pt2Handler()
+        log(f"in process: loading {args.config.name} (compile and warmup; a minute or two with a cold cache)")
         started = time.perf_counter()
         handler.initialize(context)
         log(f"in process: READY on {handler.engine.active_rung} ({handler.engine.dtype.value.value}) in "
@@ -139,6 +141,10 @@ def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path
 
 def main() -> None:
     args = parse_args()
+    # The handler's own progress (ladder attempts, warmup), as a worker's log would show it.
+    logging.basicConfig(level=logging.INFO, format="[handler] %(message)s", stream=sys.stdout, force=True)
+    for noisy in ("torch", "transformers", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     header = run_header(args)
     bodies = make_bodies(args.warmup + args.requests, tuple(args.words))
     with OtherCpu() as other:

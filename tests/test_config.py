@@ -259,7 +259,7 @@ def test_seq_multiple_is_read_from_the_shapes_section():
 
 def test_defaults_are_the_cpu_fast_path():
     settings = HandlerSettings()
-    # freezing is off unless the YAML asks: faster forwards, slower warm restarts
+    # freezing is off unless the YAML asks: faster forwards, slower warm starts
     assert settings.dtype == (DType.AUTO,) and not settings.freezing and settings.threads is None
     assert settings.shapes.after_ready is AfterReady.EAGER
     assert load_config({"pt2_handlers": {"threads": "auto"}}).settings.threads is None
