@@ -31,7 +31,7 @@ class Rung(ABC):
 
     def runs_in(self, dtype: DType) -> bool:
         """Whether this rung takes a model in ``dtype`` at all. int8 is for compile rungs alone: inductor fuses
-        the activations' quantization into one oneDNN int8 kernel per linear; run eagerly or by IPEX, int8 is
+        the activations' quantization and rescaling around each int8 matmul; run eagerly or by IPEX, int8 is
         slower than the float precisions."""
         return dtype is not DType.INT8
 
