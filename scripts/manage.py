@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -46,10 +47,25 @@ def register(server: tsctl.Server, archive: str, name: str | None = None, worker
     return call(server, "POST", f"/models?{urlencode(query)}", timeout=timeout)
 
 
+# TorchServe 0.12's frontend can answer a scale request with this 500 when a worker changes state while it edits
+# the worker list (seen scaling 3 -> 1 under traffic). Scaling sets min/max, so asking again is safe.
+FRONTEND_RACE = "ConcurrentModificationException"
+SCALE_ATTEMPTS = 3
+
+
 def scale(server: tsctl.Server, name: str, min_workers: int, max_workers: int, wait: bool = False,
-          timeout: float = 900) -> Any:
+          timeout: float = 900, retry_pause: float = 0.5) -> Any:
     query = urlencode({"min_worker": min_workers, "max_worker": max_workers, "synchronous": str(wait).lower()})
-    answer = call(server, "PUT", f"/models/{quote(name)}?{query}", timeout=timeout)
+    for attempt in range(1, SCALE_ATTEMPTS + 1):
+        try:
+            answer = call(server, "PUT", f"/models/{quote(name)}?{query}", timeout=timeout)
+            break
+        except ManagementError as exc:
+            if FRONTEND_RACE not in str(exc) or attempt == SCALE_ATTEMPTS:
+                raise
+            print(f"scale {name}: TorchServe answered {FRONTEND_RACE} (a race in its frontend); "
+                  f"asking again ({attempt + 1}/{SCALE_ATTEMPTS})", file=sys.stderr)
+            time.sleep(retry_pause)
     if wait:
         tsctl.wait_ready(server, name, timeout, count=min_workers)
     return answer
