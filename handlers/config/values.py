@@ -68,7 +68,8 @@ class CompileSpec:
             "backend": resolve_backend(self.backend), "fullgraph": self.fullgraph, "dynamic": self.dynamic,
         }
         if self.freezing and self.backend == "inductor":
-            # torch.compile takes mode or options, not both: spell the mode out as its options.
+            # torch.compile takes mode or options, not both: spell the mode out as its options. The option alone
+            # does not freeze: the compile rung also sets inductor's global flag while dynamo traces (handlers.rungs).
             mode_options = torch._inductor.list_mode_options(self.mode, self.dynamic) if self.mode else {}
             kwargs["options"] = {**mode_options, **(self.options or {}), "freezing": True}
         elif self.mode is not None:
