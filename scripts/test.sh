@@ -6,11 +6,20 @@
 #   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the suite but the default_profile tests, plus the IPEX rung for real
 # One minilm.mar is built once and served in both. Arguments go to both pytest runs.
 # PT2_PROFILES=default runs stage 1 only (a quick local loop); CI runs both.
+# PT2_TEST_ISA=avx2 holds torch's and oneDNN's kernels to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), so an
+# AVX-512 machine runs the suite as an AVX2-only CPU does: auto serves fp32, int8 is refused, inductor emits AVX2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PROFILES=${PT2_PROFILES:-default ipex}
+cache_suffix=
+case ${PT2_TEST_ISA:-} in
+  "") ;;
+  avx2) export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; cache_suffix=-avx2
+        echo "[test] kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)" ;;
+  *) echo "[test] PT2_TEST_ISA=${PT2_TEST_ISA}: only avx2 is known" >&2; exit 2 ;;
+esac
 
 bash scripts/setup.sh
 echo "[test] ruff check"
@@ -40,11 +49,11 @@ stage() {  # profile venv inductor-cache [pytest args]
 }
 
 if [[ " $PROFILES " == *" default "* ]]; then
-  PT2_IPEX_WHEEL_DIR=$(bash scripts/setup.sh --ipex-wheel) stage default .venv .cache/inductor "$@"
+  PT2_IPEX_WHEEL_DIR=$(bash scripts/setup.sh --ipex-wheel) stage default .venv ".cache/inductor$cache_suffix" "$@"
 fi
 if [[ " $PROFILES " == *" ipex "* ]]; then
   bash scripts/setup.sh --profile ipex
   # Its own inductor cache: torch 2.8 and 2.13 write different graphs and kernels.
-  stage ipex .venv-ipex .cache/inductor-ipex "$@"
+  stage ipex .venv-ipex ".cache/inductor-ipex$cache_suffix" "$@"
 fi
 echo "[test] all stages passed in $(( $(date +%s) - started ))s"

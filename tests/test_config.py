@@ -300,6 +300,49 @@ def test_dtype_auto_asks_torch_for_the_cpu_flags_by_default(monkeypatch):
     assert resolve_precisions((DType.AUTO,), torch.device("cpu")).value == (DType.FLOAT32,)
 
 
+AVX512_AND_AMX = {"amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni"}
+
+
+@pytest.mark.parametrize(("aten", "onednn", "held"), [
+    ("AVX512", None, set()),
+    ("AVX512", "ALL", set()),
+    ("AVX512", "no such level", set()),
+    ("AVX2", None, AVX512_AND_AMX),  # ATEN_CPU_CAPABILITY=avx2: inductor emits AVX2 too
+    # oneDNN's levels are sets of extensions: AVX-VNNI is in AVX2_VNNI, not in the AVX-512 levels that have their own
+    ("AVX512", "AVX512_CORE_AMX", {"avx_vnni"}),  # oneDNN's older name for AVX10_1_512_AMX
+    ("AVX512", "avx512_core_bf16", {"amx_bf16", "amx_int8", "avx_vnni"}),
+    ("AVX512", "AVX512_CORE_VNNI", {"amx_bf16", "amx_int8", "avx512_bf16", "avx_vnni"}),
+    ("AVX512", "AVX512_CORE", AVX512_AND_AMX | {"avx_vnni"}),
+    ("AVX512", "AVX2_VNNI", AVX512_AND_AMX),
+    ("AVX512", "AVX2", AVX512_AND_AMX | {"avx_vnni"}),
+])
+def test_features_torch_or_onednn_are_held_below_are_not_used(aten, onednn, held):
+    from handlers.hardware import features_held_back
+
+    assert features_held_back(aten, onednn) == held
+
+
+def test_kernels_held_to_avx2_serve_fp32_and_refuse_int8_as_an_avx2_cpu_does():
+    """A real worker-like process with torch's and oneDNN's own switches set, as PT2_TEST_ISA=avx2 runs the suite."""
+    import subprocess
+    import sys
+
+    probe = ("import torch; from handlers import hardware; from handlers.config import DType as D\n"
+             "cpu = torch.device('cpu')\n"
+             "print(hardware.resolve_precisions((D.AUTO,), cpu).value == (D.FLOAT32,))\n"
+             "print(hardware.resolve_precisions((D.INT8, D.AUTO), cpu).value == (D.FLOAT32,))\n"
+             "print(hardware.resolve_precisions((D.AUTO,), cpu).reason)\n"
+             "print(sorted(name for name, found in hardware.cpu_has().items() if found))")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
+    assert out[:2] == ["True", "True"], out
+    if any(name in out[3] for name in AVX512_AND_AMX | {"avx_vnni"}):  # a CPU with them: describe says who held them
+        assert "held back here:" in out[2] and "torch dispatches at AVX2, ONEDNN_MAX_CPU_ISA=AVX2" in out[2], out[2]
+    else:
+        assert "held back" not in out[2], out[2]
+
+
 @pytest.mark.parametrize(("dtype", "precisions"), [
     ("float16", (DType.FLOAT16,)),
     ("bfloat16", (DType.BFLOAT16,)),

@@ -405,7 +405,7 @@ def test_config_mistakes_are_named(settings, message):
 def test_dtype_auto_serves_float32_and_says_why(eager):
     optimization = eager.describe()["optimization"]
     assert optimization["dtype"] == "float32"
-    assert optimization["dtype_reason"] in (
-        "auto: the CPU has none of amx_bf16/avx512_bf16, so bf16 would be emulated",
+    assert optimization["dtype_reason"].startswith((
+        "auto: the CPU has none of amx_bf16/avx512_bf16, so bf16 would be emulated",  # then maybe "; held back here"
         "text-generation serves float32: its gate wants greedy tokens identical to fp32 eager's, which half types "
-        "rarely keep")
+        "rarely keep"))
