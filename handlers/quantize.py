@@ -62,7 +62,7 @@ def int8_problem(device: torch.device, features: Mapping[str, bool]) -> str | No
     """Why int8 is not tried on ``device`` (a CPU with ``features``), or None when it is."""
     if device.type == "cpu" and not any(features.get(name) for name in INT8_CPU_FEATURES):
         return (f"the CPU has none of {'/'.join(INT8_CPU_FEATURES)}: int8 matmuls would run through AVX2 "
-                "multiply-adds, no faster than float32")
+                "multiply-adds, no faster than float32, whose int16 pair sums saturate")
     return probe_torchao()[1]
 
 

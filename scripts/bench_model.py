@@ -69,6 +69,7 @@ VARIANTS = (
     Variant("compile-dynamic-int8-frozen", "compile", "int8", dynamic=True, freezing=True),
     Variant("compile-static-int8-frozen", "compile", "int8", dynamic=False, freezing=True),
     Variant("compile-dynamic-int8-bf16", "compile", "int8+bfloat16", dynamic=True),
+    Variant("compile-dynamic-int8-bf16-frozen", "compile", "int8+bfloat16", dynamic=True, freezing=True),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),
