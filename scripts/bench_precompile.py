@@ -24,6 +24,7 @@ tokens; the lowest cosine against fp32 eager over 1x16, 4x128 and 2x200 tokens (
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -70,8 +71,6 @@ def child(case: str, precision: str, artifact: Path, iters: int) -> dict:
     encoder = transformers.AutoModel.from_pretrained(model_dir, local_files_only=True, use_safetensors=True,
                                                      dtype=torch.float32)
     reference = MeanPooledEmbedder(encoder).eval()
-    import copy
-
     served = copy.deepcopy(reference)
     served = in_precision(served, DType.INT8) if precision == "int8" else served.to(torch.bfloat16)
     loaded = time.perf_counter()
