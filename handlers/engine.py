@@ -20,7 +20,7 @@ from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady
 from handlers.guard import GuardedForward
-from handlers.ladder import Attempt, run_ladder, summarize
+from handlers.ladder import Attempt, AttemptStatus, LadderResult, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
 from handlers.rungs import build_ladder
 from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
@@ -129,7 +129,7 @@ class Engine:
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
             for cache, use in self.cache_use.items()))
         self.attempts = result.attempts
-        self.dtype = hardware.Choice(result.dtype, _why_served(result.dtype, precisions, self.precisions.reason))
+        self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
         self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
 
@@ -298,13 +298,17 @@ class Engine:
 
 
 
-def _why_served(served: DType, precisions: Sequence[DType], reason: str) -> str:
-    """The plan's reason, and which faster precisions the gate turned down on the way (the ladder tries a slower
-    precision only after a faster one failed the gate)."""
-    faster = precisions[: precisions.index(served)] if served in precisions else precisions
-    if not faster:
-        return reason
-    return f"{reason}; {' and '.join(p.value for p in faster)} failed the quality gate (see attempts)"
+def _why_served(result: LadderResult, precisions: Sequence[DType], reason: str) -> str:
+    """The plan's reason, and why each precision tried before the served one does not serve: it failed the
+    quality gate, or (int8) it passed but was not faster here."""
+    served = result.dtype
+    passed = {attempt.dtype for attempt in result.attempts if attempt.status is AttemptStatus.SLOWER}
+    turned_down = precisions[: precisions.index(served)] if served in precisions else precisions
+    failed = [p.value for p in turned_down if p.value not in passed]
+    slower = [p.value for p in turned_down if p.value in passed]
+    why = ([f"{' and '.join(failed)} failed the quality gate"] if failed else []) + (
+        [f"{' and '.join(slower)} passed the gate but was not faster here"] if slower else [])
+    return f"{reason}; {'; '.join(why)} (see attempts)" if why else reason
 
 
 class _StageClock:

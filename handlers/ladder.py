@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from handlers import plan
+from handlers import plan, race
 from handlers.config import DType
 from handlers.quantize import in_precision
 from handlers.dynamo_watch import DynamoCounts, dynamo_counts, steady_state_problem
@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 Batch = Mapping[str, torch.Tensor]
 Run = Callable[[Forward, Any], Any]  # runs one warmup batch through a forward
+# Precisions that trade answers for speed: each serves only where it is faster than the next precision that
+# keeps the answers, on the same rung (handlers.race).
+MUST_PAY = (DType.INT8,)
 
 
 def call(forward: Forward, batch: Batch) -> Any:
@@ -44,6 +47,7 @@ class AttemptStatus(str, enum.Enum):
     PASSED = "passed"  # a precision's screen: its eager answers passed the gate
     FAILED = "failed"
     SKIPPED = "skipped"
+    SLOWER = "slower"  # passed the gate, but lost the race against another precision on the same rung
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,13 @@ class Attempt:
     quality: Quality | None = None
     screen: bool = False  # eager at a half precision, run before that precision's first real attempt
     dynamo: DynamoCounts | None = None  # a compile rung's warmup: graphs, graph breaks, frames given up
+    forward_ms: float | None = None  # raced (int8 and its rival): sum of median ms per warmup batch
 
     def to_json(self) -> dict[str, Any]:
         return {"rung": self.rung, "dtype": self.dtype, "status": self.status.value, "reason": self.reason,
                 "seconds": self.seconds, "quality": self.quality.to_json() if self.quality else None,
-                "screen": self.screen, "dynamo": self.dynamo.to_json() if self.dynamo else None}
+                "screen": self.screen, "dynamo": self.dynamo.to_json() if self.dynamo else None,
+                "forward_ms": self.forward_ms}
 
 
 class QualityError(AssertionError):
@@ -120,15 +126,17 @@ def run_ladder(
 ) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
-    If none does, serve the reference. ``run(forward, batch)`` runs one warmup batch (by default
-    ``forward(**batch)``; generation runs a decode loop instead)."""
+    If none does, serve the reference. An accepted int8 attempt serves only if it is faster on the warmup batches
+    than the same rung at the next precision that passes (``MUST_PAY``). ``run(forward, batch)`` runs one warmup
+    batch (by default ``forward(**batch)``; generation runs a decode loop instead)."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
         references = [_detached(run(reference, batch)) for batch in warmup_batches]
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
-                     runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)))
+                     runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)),
+                     must_pay=[p.value for p in MUST_PAY], faster=ladder.faster)
     if step.is_reference:
         planned = DType.FLOAT32 in precisions
         reason = None if planned else (f"no rung kept the answers in {' or '.join(p.value for p in precisions)}; "
@@ -151,6 +159,7 @@ class _Walk:
         self.run = run
         self.attempts: list[Attempt] = []
         self.forwards: dict[plan.Step, Forward] = {}
+        self._attempt_of: dict[plan.Step, int] = {}  # where each accepted step's attempt is in ``attempts``
         self._models: dict[DType, torch.nn.Module] = {DType.FLOAT32: reference}
         self._screens: dict[DType, Attempt] = {}
 
@@ -170,7 +179,36 @@ class _Walk:
         self.attempts.append(attempt)
         if forward is not None:
             self.forwards[step] = forward
+            self._attempt_of[step] = len(self.attempts) - 1
         return _outcome(attempt)
+
+    def faster(self, challenger: plan.Step, rival: plan.Step) -> plan.Step:
+        """Race two accepted steps of one rung on the warmup batches; record both times; the challenger (int8)
+        serves only if it pays (``race.MIN_GAIN``). The loser's forward is dropped."""
+        started = time.perf_counter()
+        ms = race.forward_ms([self.forwards[challenger], self.forwards[rival]], self.batches, self.run)
+        pays = race.pays(ms[0], ms[1])
+        winner, loser = (challenger, rival) if pays else (rival, challenger)
+        timed = (f"{ms[0]:.2f} ms in {challenger.precision} against {ms[1]:.2f} in {rival.precision} (sum of the "
+                 f"median forward per warmup batch, {len(self.batches)} batches, {race.ROUNDS} rounds)")
+        if pays:
+            reasons = {winner: f"faster: {timed}", loser: f"passed the gate, but {challenger.precision} was faster "
+                                                           f"here: {timed}"}
+        else:
+            reasons = {winner: f"serves: {challenger.precision} passed the gate, but was not "
+                               f"{race.MIN_GAIN:.0%} faster here: {timed}",
+                       loser: f"passed the gate, but not {race.MIN_GAIN:.0%} faster here: {timed}"}
+        for step, forward_ms in ((challenger, ms[0]), (rival, ms[1])):
+            index = self._attempt_of[step]
+            status = AttemptStatus.ACCEPTED if step == winner else AttemptStatus.SLOWER
+            self.attempts[index] = _replace(self.attempts[index], status=status, reason=reasons[step],
+                                            forward_ms=forward_ms)
+        del self.forwards[loser]
+        if loser.precision != plan.REFERENCE_PRECISION:  # the reference model serves the eager fallback
+            self._models.pop(DType(loser.precision), None)
+        logger.info("raced %s (%s) against %s on %s: %s; %s serves, in %.1fs", challenger.precision,
+                    challenger.rung, rival.precision, rival.rung, timed, winner.precision, _since(started))
+        return winner
 
     def _screen(self, dtype: DType) -> plan.Outcome:
         attempt, _ = _try(EagerRung(), self._model(dtype), dtype, self.batches, self.references, self.gate(dtype),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers import hardware, quantize
+from handlers import hardware, quantize, race
 from handlers.config import ConfigError, DType, load_config
 from handlers.engine import Engine
 from handlers.ladder import QualityError
@@ -104,18 +104,35 @@ def steps(optimization: dict) -> list[tuple[str, str, str]]:
     return [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
 
 
+def assert_raced(optimization: dict, rival: str) -> str:
+    """int8 passed its screen and the compile's gate, and was raced against the compile in ``rival``: the faster
+    (int8 only if at least 5 % faster) serves, the other is "slower", both with their times and describe's
+    reason naming the outcome. Which one wins depends on the CPU (AMX makes bf16 faster); returns it."""
+    attempts = optimization["attempts"]
+    raced = {a["dtype"]: a for a in attempts if a.get("forward_ms") is not None}  # TorchServe drops nulls
+    assert set(raced) == {"int8", rival} and all(a["rung"] == "compile" for a in raced.values()), attempts
+    served = "int8" if race.pays(raced["int8"]["forward_ms"], raced[rival]["forward_ms"]) else rival
+    loser = rival if served == "int8" else "int8"
+    assert (raced[served]["status"], raced[loser]["status"]) == ("accepted", "slower"), attempts
+    assert steps(optimization)[:2] == [("eager", "int8", "passed"), ("compile", "int8", raced["int8"]["status"])]
+    assert optimization["dtype"] == served
+    if served != "int8":
+        assert "int8 passed the gate but was not faster here" in optimization["dtype_reason"], optimization
+    return served
+
+
 @pytest.mark.torchao
 def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir, reference):
     engine = load(minilm_dir, "embeddings", ["int8", "float32"])
     optimization = engine.describe()["optimization"]
-    assert steps(optimization) == [("eager", "int8", "passed"), ("compile", "int8", "accepted")]
-    assert (optimization["active"], optimization["dtype"]) == ("compile", "int8")
-    for attempt in optimization["attempts"]:
+    served = assert_raced(optimization, "float32")
+    assert (optimization["active"], optimization["dtype"]) == ("compile", served)
+    for attempt in optimization["attempts"][:2]:
         assert attempt["quality"]["metric"] == "min_cosine"
         assert attempt["quality"]["threshold"] == 0.99 <= attempt["quality"]["value"] < 0.9999
     [answer] = engine.predict([{"inputs": TEXTS}])
     cosine = torch.nn.functional.cosine_similarity(torch.tensor(answer["embeddings"]), reference(TEXTS), dim=-1)
-    assert cosine.min().item() >= 0.99
+    assert cosine.min().item() >= (0.99 if served == "int8" else 0.9999)
 
 
 @pytest.mark.torchao

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -296,6 +297,57 @@ def test_only_half_precisions_that_all_fail_end_on_fp32_eager(net, batches):
         ("eager", AttemptStatus.FAILED, "bfloat16"), ("eager", AttemptStatus.ACCEPTED, "float32")]
     assert "no rung kept the answers in bfloat16" in result.attempts[-1].reason
     assert result.forward is net and result.dtype is DType.FLOAT32
+
+
+class SlowIn(FaultyRung):
+    """A compile rung that runs int8 too (as the real one) and sleeps ``ms`` per call in ``dtype``."""
+
+    def __init__(self, name, dtype, ms):
+        super().__init__(name)
+        self.slow_dtype, self.ms = dtype, ms
+
+    def runs_in(self, dtype):
+        return True
+
+    def apply(self, module, dtype):
+        forward = super().apply(module, dtype)
+        if dtype is not self.slow_dtype:
+            return forward
+
+        def slow(**batch):
+            time.sleep(self.ms / 1000)
+            return forward(**batch)
+
+        return slow
+
+
+def int8_gate(dtype):
+    return CosineGate(0.9 if dtype is DType.INT8 else 0.999)
+
+
+@pytest.mark.torchao
+@pytest.mark.parametrize("slow", [DType.INT8, DType.BFLOAT16])
+def test_int8_that_passes_the_gate_serves_only_where_it_is_faster(net, batches, slow):
+    """int8 trades answers for speed: it is raced on the warmup batches against the same rung in the next
+    precision that passes, and serves only if at least 5 % faster; both times are in describe."""
+    result = run_ladder(net, (DType.INT8, DType.BFLOAT16, DType.FLOAT32), [SlowIn("compile", slow, 10), EagerRung()],
+                        batches, int8_gate)
+    attempts = [(a.rung, a.dtype, a.status.value) for a in result.attempts]
+    winner = DType.BFLOAT16 if slow is DType.INT8 else DType.INT8
+    assert result.dtype is winner and result.active == "compile"
+    statuses = {"int8": "accepted" if winner is DType.INT8 else "slower",
+                "bfloat16": "accepted" if winner is DType.BFLOAT16 else "slower"}
+    assert attempts == [("eager", "int8", "passed"), ("compile", "int8", statuses["int8"]),
+                        ("eager", "bfloat16", "passed"), ("compile", "bfloat16", statuses["bfloat16"])]
+    int8, bf16 = result.attempts[1], result.attempts[3]
+    slow_ms, fast_ms = (int8, bf16) if slow is DType.INT8 else (bf16, int8)
+    assert slow_ms.forward_ms >= 10 * len(batches) > fast_ms.forward_ms  # 5 calls each, the median of them
+    for attempt in (int8, bf16):
+        assert f"{int8.forward_ms:.2f} ms in int8 against {bf16.forward_ms:.2f} in bfloat16" in attempt.reason
+    loser = int8 if winner is DType.BFLOAT16 else bf16
+    assert loser.reason.startswith("passed the gate, but") and loser.to_json()["forward_ms"] == loser.forward_ms
+    with torch.inference_mode():
+        assert result.forward(**batches[0]).dtype is (torch.float32 if winner is DType.INT8 else torch.bfloat16)
 
 
 def test_a_rung_that_raises_in_bf16_hands_over_to_the_next_rung_in_bf16(net, batches):

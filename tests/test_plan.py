@@ -95,3 +95,61 @@ def test_the_reference_is_never_run():
 def test_a_ladder_without_compile_rungs_never_screens_int8():
     assert run(("int8", "float32"), {"ipex@float32": S}, rungs=("ipex", "eager")) == (["ipex@float32"],
                                                                                         "eager@float32")
+
+
+def race(outcomes, winner):
+    """The walk with int8 bound to pay its way: ``winner`` ("challenger" or "rival") is what ``faster`` says."""
+    asked, raced = [], []
+
+    def attempt(step: Step) -> Outcome:
+        key = f"{'screen' if step.screen else step.rung}@{step.precision}"
+        asked.append(key)
+        return outcomes.get(key, R)
+
+    def faster(challenger: Step, rival: Step) -> Step:
+        raced.append((f"{challenger.rung}@{challenger.precision}", f"{rival.rung}@{rival.precision}"))
+        return challenger if winner == "challenger" else rival
+
+    served = walk(RUNGS, INT8_BF16_FP32, attempt, runs_in=compile_only_int8, must_pay=["int8"], faster=faster)
+    return asked, raced, f"{served.rung}@{served.precision}"
+
+
+@pytest.mark.parametrize("winner", ["challenger", "rival"])
+def test_accepted_int8_is_raced_against_the_same_rung_in_the_next_precision(winner):
+    asked, raced, served = race({"screen@int8": A, "compile@int8": A, "screen@bfloat16": A, "compile@bfloat16": A},
+                                winner)
+    assert asked == ["screen@int8", "compile@int8", "screen@bfloat16", "compile@bfloat16"]
+    assert raced == [("compile@int8", "compile@bfloat16")]
+    assert served == ("compile@int8" if winner == "challenger" else "compile@bfloat16")
+
+
+@pytest.mark.parametrize(("outcomes", "rival"), [
+    # bf16 fails the gate on this rung: the rival is the same compile in fp32.
+    ({"screen@int8": A, "compile@int8": A, "screen@bfloat16": A, "compile@bfloat16": G, "compile@float32": A},
+     "compile@float32"),
+    # bf16 loses the answers even eagerly: no compile in bf16, the rival is fp32.
+    ({"screen@int8": A, "compile@int8": A, "screen@bfloat16": G, "compile@float32": A}, "compile@float32"),
+    # int8 compiled only on safe_compile: its rival is safe_compile too.
+    ({"screen@int8": A, "compile@int8": R, "safe_compile@int8": A, "screen@bfloat16": A,
+      "safe_compile@bfloat16": A}, "safe_compile@bfloat16"),
+])
+def test_the_rival_is_the_first_later_precision_that_passes_on_that_rung(outcomes, rival):
+    _, raced, served = race(outcomes, "rival")
+    assert [r for _, r in raced] == [rival] and served == rival
+
+
+def test_int8_serves_unraced_where_the_rung_raises_in_the_next_precision():
+    asked, raced, served = race({"screen@int8": A, "compile@int8": A, "screen@bfloat16": A, "compile@bfloat16": R},
+                                "rival")
+    assert (asked[-1], raced, served) == ("compile@bfloat16", [], "compile@int8")
+
+
+def test_int8_that_fails_its_gate_is_not_raced():
+    _, raced, served = race({"screen@int8": A, "compile@int8": G, "screen@bfloat16": A, "compile@bfloat16": A},
+                            "challenger")
+    assert (raced, served) == ([], "compile@bfloat16")
+
+
+def test_a_precision_that_must_pay_needs_a_judge():
+    with pytest.raises(ValueError, match="int8 must pay its way"):
+        walk(RUNGS, INT8_BF16_FP32, lambda step: A, runs_in=compile_only_int8, must_pay=["int8"])

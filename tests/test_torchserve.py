@@ -27,6 +27,7 @@ from handlers import hardware  # noqa: E402
 from handlers.config import DType  # noqa: E402
 from handlers.ipex import probe_ipex  # noqa: E402
 from tests.conftest import SHARED_ARCHIVE_ENV  # noqa: E402
+from tests.test_int8 import assert_raced  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -438,16 +439,16 @@ def assert_same_classification(got: list[dict], want: list[dict], tolerance: flo
 
 @pytest.mark.default_profile  # the task itself is proven compiled in both (tests/test_<task>.py)
 @pytest.mark.torchao
-def test_the_int8_archive_serves_int8_where_the_cpu_has_int8_dot_products(server, reference):
-    """model_configs/minilm-embeddings-int8.yaml, compiled by inductor: int8 where the CPU has VNNI or AMX (int8
-    screened, then compiled, within the int8 gate); on other CPUs describe says why not and auto's precisions
-    serve. (Without torchao, the ipex profile, tests/test_int8.py checks the reason.)"""
+def test_the_int8_archive_serves_int8_where_it_passes_and_pays(server, reference):
+    """model_configs/minilm-embeddings-int8.yaml, compiled by inductor: where the CPU has VNNI or AMX int8 is
+    screened, compiled within the int8 gate, and raced against the compile in auto's precision; the faster serves.
+    On other CPUs describe says why int8 is left out and auto's precisions serve. (Without torchao, the ipex
+    profile, tests/test_int8.py checks the reason.)"""
     optimization = registered(server, "minilm-int8", metric="min_cosine")
     tried = optimization["precisions"]["tried_in_order"]
-    attempts = [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
-    if "int8" in tried:
-        assert attempts == [("eager", "int8", "passed"), ("compile", "int8", "accepted")], attempts
-        assert optimization["dtype"] == "int8" and accepted_attempt(optimization)["quality"]["threshold"] == 0.99
+    if "int8" in tried:  # then raced against the next precision auto picks: the faster serves
+        served = assert_raced(optimization, tried[1])
+        assert accepted_attempt(optimization)["quality"]["threshold"] == (0.99 if served == "int8" else 0.999)
     else:
         assert "less int8: " in optimization["precisions"]["reason"], optimization["precisions"]
         assert optimization["dtype"] != "int8"
