@@ -5,8 +5,8 @@ activation row (token) quantized on the fly, int8 x int8 -> int32 matmuls; the r
 float32. Under ``torch.compile`` on x86, inductor fuses each activation's quantization into one C++ kernel before
 an int8 matmul (``aten._int_mm``, VNNI or AMX tiles) and the rescaling into one after; with freezing, the matmul
 and the rescaling become one oneDNN int8 linear. Per-token scales keep MiniLM embeddings at cosine 0.992 vs
-fp32; PT2E's x86 quantizer, whose activation scales are per tensor, keeps 0.987 (dynamic) or 0.966 (static,
-calibrated): below the gate.
+fp32. PT2E's x86 quantizer (static, per-tensor scales) is faster but loses the gate unless the FFN output
+linears stay in float (docs/ladder.md: Why not PT2E).
 
 torchao is imported only when int8 is asked for, never at module import.
 """

@@ -12,6 +12,9 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     CPU has AVX512-BF16 or AMX, fp32 elsewhere), compile-{dynamic,static}-{fp32,bf16}-frozen,
     compile-{dynamic,static}-int8[-frozen] (handlers.quantize.in_precision: torchao int8 linears, as the int8 rung),
     compile-dynamic-int8-bf16 (the same int8 linears, the layers between them in bf16 instead of fp32),
+    pt2e-static-int8[-bf16] (PT2E static quantization: torch.export, torchao's X86InductorQuantizer with per-tensor
+    activation scales calibrated on other texts, frozen compile; -bf16 under bf16 autocast, as Intel recommends),
+    pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16: the form that keeps the gate),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
     which its rows report),
@@ -54,6 +57,7 @@ class Variant:
     dtype: str  # float32 | bfloat16 | int8
     dynamic: bool | None = None
     freezing: bool = False
+    float_linears: str | None = None  # pt2e: a regex of linear layers left unquantized
 
 
 VARIANTS = (
@@ -70,6 +74,11 @@ VARIANTS = (
     Variant("compile-static-int8-frozen", "compile", "int8", dynamic=False, freezing=True),
     Variant("compile-dynamic-int8-bf16", "compile", "int8+bfloat16", dynamic=True),
     Variant("compile-dynamic-int8-bf16-frozen", "compile", "int8+bfloat16", dynamic=True, freezing=True),
+    Variant("pt2e-static-int8", "pt2e", "int8", dynamic=True, freezing=True),
+    Variant("pt2e-static-int8-bf16", "pt2e", "int8+bfloat16", dynamic=True, freezing=True),
+    # The FFN's output linear reads GELU's long-tailed activations, which one scale per tensor cannot hold.
+    Variant("pt2e-static-int8-bf16-ffn-out", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=r"layer\.\d+\.output\.dense$"),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),
@@ -98,12 +107,12 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def make_batches(tokenizer: Any, batch_sizes: list[int], seq_lengths: list[int]) -> dict[str, Batch]:
+def make_batches(tokenizer: Any, batch_sizes: list[int], seq_lengths: list[int], seed: int = 0) -> dict[str, Batch]:
     """Full-length rows (distinct texts, truncated to exactly ``seq`` tokens) for each batch x seq shape."""
     import random
 
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and w.isascii() and 3 <= len(w) <= 10)
-    rng = random.Random(0)
+    rng = random.Random(seed)
     batches = {}
     for batch in batch_sizes:
         for seq in seq_lengths:
@@ -113,12 +122,15 @@ def make_batches(tokenizer: Any, batch_sizes: list[int], seq_lengths: list[int])
     return batches
 
 
-def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threads: int) -> Runner:
+def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threads: int,
+                 calibration: list[Batch]) -> Runner:
     """A callable batch -> embeddings for ``variant``; raises Skip when it cannot run here."""
     import torch
 
     if variant.kind == "onnxruntime":
         return onnxruntime_runner(module, batches, threads, quantized=variant.dtype == "int8")
+    if variant.kind == "pt2e":
+        return pt2e_runner(module, variant, calibration)
     if variant.dtype.startswith("int8"):
         from handlers.config import DType
         from handlers.quantize import in_precision
@@ -169,6 +181,56 @@ def one_graph_runner(compiled: Any) -> Runner:
         seen.add(shape)
         with fx_config.patch(backed_size_oblivious=True):
             return compiled(**batch)
+
+    return run
+
+
+def pt2e_runner(module: Any, variant: Variant, calibration: list[Batch]) -> Runner:
+    """PT2E static int8: export with dynamic batch and length, the unused pooler removed (its dangling tanh is
+    what broke X86InductorQuantizer's linear+unary annotation), per-tensor activation scales from
+    ``calibration``, then compiled as the frozen compile rung; ``int8+bfloat16`` runs it under bf16 autocast."""
+    import re
+
+    import torch
+
+    try:
+        from torchao.quantization.pt2e import quantize_pt2e
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+    except ImportError as exc:
+        raise Skip(f"torchao's PT2E quantizer does not import ({exc})") from exc
+    positional = positional_embedder_class()(copy.deepcopy(module)).eval()
+    example = max(calibration, key=lambda rows: rows["input_ids"].shape[0])  # export sees no size-1 dim
+    batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=2, max=512)
+    with torch.no_grad():
+        graph = torch.export.export(positional, (example["input_ids"], example["attention_mask"]),
+                                    dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq})).module()
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    if variant.float_linears:
+        for name, layer in positional.named_modules():
+            if isinstance(layer, torch.nn.Linear) and re.search(variant.float_linears, name):
+                quantizer.set_module_name_qconfig(name, None)
+    prepared = quantize_pt2e.prepare_pt2e(graph, quantizer)
+    with torch.no_grad():
+        for rows in calibration:
+            prepared(rows["input_ids"], rows["attention_mask"])
+    quantized = quantize_pt2e.convert_pt2e(prepared)
+
+    class Keywords(torch.nn.Module):  # the compile rung and the runner call with keywords
+        def __init__(self, inner: torch.nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.inner(input_ids, attention_mask)
+
+    served = one_graph_runner(compile_as_rung(Keywords(quantized), variant))
+    autocast = variant.dtype == "int8+bfloat16"
+
+    def run(rows: Batch) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return served(rows)
 
     return run
 
@@ -264,14 +326,14 @@ def time_shape(run: Runner, batch: Batch, reference: Any, warmup: int, iters: in
 
 
 def bench_variant(variant: Variant, module: Any, batches: dict[str, Batch], references: dict[str, Any],
-                  args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
+                  args: argparse.Namespace, threads: int, calibration: list[Batch]) -> list[dict[str, Any]]:
     """One row per shape for ``variant``; [] (and the reason printed) when it is skipped."""
     import torch
 
     log(f"{variant.name}: building ...")
     started = time.perf_counter()
     try:
-        run = build_runner(variant, module, batches, threads)
+        run = build_runner(variant, module, batches, threads, calibration)
     except Skip as exc:
         log(f"{variant.name}: SKIPPED -- {exc}")
         return []
@@ -373,12 +435,14 @@ def run(args: argparse.Namespace) -> None:
                                                      dtype=torch.float32)
     module = MeanPooledEmbedder(encoder).eval()
     batches = make_batches(tokenizer, args.batch_sizes, args.seq_lengths)
+    # PT2E's activation scales come from other texts than the timed ones, at the handler's warmup shapes.
+    calibration = list(make_batches(tokenizer, [1, 4], [16, 64, 256], seed=1).values())
     with torch.inference_mode():
         references = {shape: module(**batch) for shape, batch in batches.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for variant in (v for v in VARIANTS if v.name in args.variants):
-        rows += bench_variant(variant, module, batches, references, args, threads)
+        rows += bench_variant(variant, module, batches, references, args, threads, calibration)
     add_ratios(rows)
     if not rows:
         raise SystemExit("[bench] no variant ran")
