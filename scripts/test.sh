@@ -15,9 +15,10 @@ started=$(date +%s)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PROFILES=${PT2_PROFILES:-default ipex}
 cache_suffix=
+hold_kernels_to_avx2() { export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; }
 case ${PT2_TEST_ISA:-} in
   "") ;;
-  avx2) export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; cache_suffix=-avx2
+  avx2) hold_kernels_to_avx2; cache_suffix=-avx2
         echo "[test] kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)" ;;
   *) echo "[test] PT2_TEST_ISA=${PT2_TEST_ISA}: only avx2 is known" >&2; exit 2 ;;
 esac
@@ -57,7 +58,7 @@ fi
 if [[ " $PROFILES " == *" default "* && -z ${PT2_TEST_ISA:-} ]]; then
   if [[ $(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())') == AVX512 ]]; then
     echo "[test] the precision tests with kernels held to AVX2, as an AVX2-only CPU runs them"
-    (export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+    (hold_kernels_to_avx2
      stage default .venv .cache/inductor-avx2 tests/test_int8.py tests/test_precision.py tests/test_config.py \
        tests/test_generation.py::test_dtype_auto_serves_float32_and_says_why)
   else
