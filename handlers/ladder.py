@@ -211,8 +211,15 @@ class _Walk:
         return winner
 
     def _screen(self, dtype: DType) -> plan.Outcome:
-        attempt, _ = _try(EagerRung(), self._model(dtype), dtype, self.batches, self.references, self.gate(dtype),
-                          self.run)
+        try:  # the first use of the precision: its converted copy is made here
+            model = self._model(dtype)
+        except Exception as exc:  # noqa: BLE001 -- a model that cannot be converted: no rung runs in it
+            logger.warning("converting the model to %s failed: %s", dtype.value, summarize(exc), exc_info=True)
+            self.attempts.append(Attempt(plan.EAGER, AttemptStatus.FAILED,
+                                         f"screen: converting the model to {dtype.value} failed: {summarize(exc)}; "
+                                         f"so no rung runs in {dtype.value}", 0.0, dtype.value, screen=True))
+            return plan.Outcome.RAISED
+        attempt, _ = _try(EagerRung(), model, dtype, self.batches, self.references, self.gate(dtype), self.run)
         if attempt.status is AttemptStatus.ACCEPTED:
             attempt = _replace(attempt, status=AttemptStatus.PASSED, screen=True,
                                reason=f"screen: {dtype.value} keeps the answers in eager; faster rungs try it first")

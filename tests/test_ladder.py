@@ -299,6 +299,24 @@ def test_only_half_precisions_that_all_fail_end_on_fp32_eager(net, batches):
     assert result.forward is net and result.dtype is DType.FLOAT32
 
 
+def test_a_model_that_cannot_be_converted_to_a_precision_is_served_in_the_next(net, batches, monkeypatch):
+    """Converting the model (e.g. int8's quantization) happens at the precision's screen: if it raises, the
+    precision is out, the load goes on and describe says why."""
+    import handlers.ladder
+
+    def in_precision(module, dtype):
+        raise RuntimeError(f"no {dtype.value} kernels for this layer")
+
+    monkeypatch.setattr(handlers.ladder, "in_precision", in_precision)
+    result = ladder(net, [FaultyRung("compile"), EagerRung()], batches, CosineGate(0.999),
+                    precisions=(DType.BFLOAT16, DType.FLOAT32))
+    assert [(a.rung, a.status, a.dtype, a.screen) for a in result.attempts] == [
+        ("eager", AttemptStatus.FAILED, "bfloat16", True), ("compile", AttemptStatus.ACCEPTED, "float32", False)]
+    assert result.attempts[0].reason == ("screen: converting the model to bfloat16 failed: RuntimeError: no bfloat16 "
+                                         "kernels for this layer; so no rung runs in bfloat16")
+    assert result.dtype is DType.FLOAT32
+
+
 class SlowIn(FaultyRung):
     """A compile rung that runs int8 too (as the real one) and sleeps ``ms`` per call in ``dtype``."""
 
