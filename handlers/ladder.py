@@ -25,7 +25,7 @@ import torch
 
 from handlers import plan, race
 from handlers.config import DType
-from handlers.quantize import in_precision
+from handlers.quantize import in_precision, static_int8
 from handlers.dynamo_watch import DynamoCounts, dynamo_counts, steady_state_problem
 from handlers.rungs import CompileRung, EagerRung, Forward, Rung
 
@@ -133,7 +133,8 @@ def run_ladder(
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
         references = [_detached(run(reference, batch)) for batch in warmup_batches]
-    ladder = _Walk(reference, rungs, warmup_batches, references, gate, run)
+    ladder = _Walk(reference, rungs, warmup_batches, references, gate, run,
+                   int8_rest=torch.bfloat16 if DType.BFLOAT16 in precisions else torch.float32)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
                      runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)),
                      must_pay=[p.value for p in MUST_PAY], faster=ladder.faster)
@@ -150,13 +151,15 @@ class _Walk:
     """Runs the steps ``plan.walk`` asks for and records each as an Attempt."""
 
     def __init__(self, reference: torch.nn.Module, rungs: Sequence[Rung], batches: Sequence[Any],
-                 references: Sequence[Any], gate: Callable[[DType], QualityGate], run: Run):
+                 references: Sequence[Any], gate: Callable[[DType], QualityGate], run: Run,
+                 int8_rest: torch.dtype = torch.float32):
         self.rungs = {rung.name: rung for rung in rungs}
         self.reference = reference
         self.batches = batches
         self.references = references
         self.gate = gate
         self.run = run
+        self.int8_rest = int8_rest
         self.attempts: list[Attempt] = []
         self.forwards: dict[plan.Step, Forward] = {}
         self._attempt_of: dict[plan.Step, int] = {}  # where each accepted step's attempt is in ``attempts``
@@ -232,9 +235,13 @@ class _Walk:
         return _outcome(attempt)
 
     def _model(self, dtype: DType) -> torch.nn.Module:
-        """The model in ``dtype``: the reference itself for fp32, a converted copy (made once) otherwise."""
+        """The model in ``dtype``: the reference itself for fp32, a converted copy (made once) otherwise; int8
+        is calibrated on the warmup batches, its float layers in bf16 where the ladder tries bf16 too."""
         if dtype not in self._models:
-            self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
+            if dtype is DType.INT8:
+                self._models[dtype] = static_int8(copy.deepcopy(self.reference), self.batches, self.int8_rest)
+            else:
+                self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
         return self._models[dtype]
 
 

@@ -1,12 +1,16 @@
-"""The model in a precision: a float dtype, or int8 linear layers (torchao), made for the ladder to prove.
+"""The model in a precision: a float dtype, or int8 linear layers, made for the ladder to prove.
 
-int8 is torchao's dynamic-activation / int8-weight scheme: weights quantized per output channel once, each
-activation row (token) quantized on the fly, int8 x int8 -> int32 matmuls; the rest of the model stays in
-float32. Under ``torch.compile`` on x86, inductor fuses each activation's quantization into one C++ kernel before
-an int8 matmul (``aten._int_mm``, VNNI or AMX tiles) and the rescaling into one after; with freezing, the matmul
-and the rescaling become one oneDNN int8 linear. Per-token scales keep MiniLM embeddings at cosine 0.992 vs
-fp32. PT2E's x86 quantizer (static, per-tensor scales) is faster but loses the gate unless the FFN output
-linears stay in float (docs/ladder.md: Why not PT2E).
+The ladder's int8 is **static** (``static_int8``): PT2E quantization with torchao's x86 inductor quantizer. The
+model is exported with the warmup batches' varying axes dynamic; weights are quantized per output channel, and
+each activation once per tensor with a scale calibrated on the warmup batches. Linear layers that narrow (more
+inputs than outputs: a transformer's FFN output, whose input is GELU's long tail, and the task heads) stay in
+float, which keeps MiniLM embeddings at cosine 0.996 vs fp32 where quantizing them too loses the gate (0.970).
+Compiled with freezing, each quantize step folds into the layer before it and the int8 linears become oneDNN's
+fused ``qlinear``: twice as fast as the dynamic scheme at 8x128 tokens (docs/performance.md: PT2E static int8).
+What is not quantized runs in ``rest``: bf16 under autocast where the ladder also tries bf16, else float32.
+
+``in_precision`` gives a float dtype, or torchao's dynamic scheme (per-token activation scales, computed on every
+call), which the benchmarks keep as the comparison.
 
 torchao is imported only when int8 is asked for, never at module import.
 """
@@ -18,8 +22,9 @@ import functools
 import importlib
 import importlib.util
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -63,14 +68,15 @@ def int8_problem(device: torch.device, features: Mapping[str, bool]) -> str | No
     if device.type == "cpu" and not any(features.get(name) for name in INT8_CPU_FEATURES):
         return (f"the CPU has none of {'/'.join(INT8_CPU_FEATURES)}: int8 matmuls would run through AVX2 "
                 "multiply-adds, no faster than float32, whose int16 pair sums saturate")
+    if device.type != "cpu":
+        return f"int8 is CPU-only here (torchao's x86 inductor quantizer), and this worker runs on {device.type}"
     return probe_torchao()[1]
 
 
 def in_precision(module: torch.nn.Module, dtype: DType, rest: torch.dtype = torch.float32) -> torch.nn.Module:
-    """``module`` (float32, changed in place) in ``dtype``. int8 quantizes the weights and activations of every
-    ``nn.Linear``; what it leaves alone (norms, GELU, attention) runs in ``rest``. The ladder keeps float32 there:
-    bf16 there measured 14 % faster at 8x128 tokens and 7 % slower at 1x16, at a lower cosine
-    (scripts/bench_model.py compile-dynamic-int8-bf16)."""
+    """``module`` (float32, changed in place) in ``dtype``. int8 here is torchao's dynamic scheme: the weights and
+    activations of every ``nn.Linear`` quantized, activations per token on every call; what it leaves alone (norms,
+    GELU, attention) runs in ``rest``. The ladder's int8 is ``static_int8``; benchmarks compare the two."""
     module = module.to(rest if dtype is DType.INT8 else dtype.torch)
     if dtype is not DType.INT8:
         return module
@@ -81,3 +87,74 @@ def in_precision(module: torch.nn.Module, dtype: DType, rest: torch.dtype = torc
     with _quiet_torchao():
         quantization.quantize_(module, config)
     return module
+
+
+def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.Tensor]],
+                rest: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``module`` (float32) with every linear layer that does not narrow quantized statically to int8 (PT2E),
+    calibrated on ``examples`` (the warmup batches). Axes whose size varies across ``examples`` stay dynamic in
+    the exported graph, the others are fixed. Called with the same keywords as ``module``; what is not quantized
+    runs in ``rest``."""
+    if not examples or not all(isinstance(example, Mapping) for example in examples):
+        raise TypeError("static int8 needs warmup batches of named tensors to export and calibrate on")
+    quantization, reason = probe_torchao()
+    if quantization is None:
+        raise RuntimeError(reason)
+    with _quiet_torchao():
+        from torchao.quantization.pt2e import quantize_pt2e
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+    names = list(examples[0])
+    positional = _Positional(module.eval(), names)
+    largest = max(examples, key=lambda example: sum(tensor.numel() for tensor in example.values()))
+    with torch.no_grad():
+        graph = torch.export.export(positional, tuple(largest[name] for name in names),
+                                    dynamic_shapes=(_varying_axes(examples, names),), strict=False).module()
+    for node in list(graph.graph.nodes):  # export's dtype checks: they would fail under bf16 autocast
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.graph.erase_node(node)
+    graph.graph.eliminate_dead_code()  # e.g. BERT's unused pooler, whose dangling tanh the quantizer trips on
+    graph.recompile()
+    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    for name, layer in positional.named_modules():
+        if isinstance(layer, torch.nn.Linear) and layer.in_features > layer.out_features:
+            quantizer.set_module_name_qconfig(name, None)
+    with _quiet_torchao():
+        prepared = quantize_pt2e.prepare_pt2e(graph, quantizer)
+        with torch.no_grad():
+            for example in examples:
+                prepared(*(example[name] for name in names))
+        quantized = quantize_pt2e.convert_pt2e(prepared)
+    return _Keywords(quantized, names, rest)
+
+
+def _varying_axes(examples: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str]) -> tuple[dict, ...]:
+    """Per input, its axes whose size differs between examples, as automatic dynamic dimensions."""
+    shapes = [[tuple(example[name].shape) for example in examples] for name in names]
+    return tuple({axis: torch.export.Dim.AUTO for axis in range(len(sizes[0]))
+                  if len({size[axis] for size in sizes}) > 1} for sizes in shapes)
+
+
+class _Positional(torch.nn.Module):
+    """Keyword inputs as positional ones, in a fixed order: what torch.export traces most reliably."""
+
+    def __init__(self, inner: torch.nn.Module, names: Sequence[str]):
+        super().__init__()
+        self.inner = inner
+        self.names = list(names)
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        return self.inner(**dict(zip(self.names, tensors, strict=True)))
+
+
+class _Keywords(torch.nn.Module):
+    """The quantized graph, called with keywords again; the float layers in ``rest`` (bf16 under autocast)."""
+
+    def __init__(self, graph: torch.nn.Module, names: Sequence[str], rest: torch.dtype):
+        super().__init__()
+        self.graph = graph
+        self.names = list(names)
+        self.rest = rest
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.rest is torch.bfloat16):
+            return self.graph(*(inputs[name] for name in self.names))

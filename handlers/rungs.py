@@ -7,6 +7,7 @@ Each rung says whether it can run here (``unavailable_reason``) and wraps a modu
 from __future__ import annotations
 
 import contextlib
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -66,7 +67,8 @@ class CompileRung(Rung):
 
     def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
         compiled = torch.compile(module, **self.spec.kwargs())
-        if self.spec.freezing and self.spec.backend == "inductor":
+        # int8 always freezes: its int8 linears fuse into oneDNN's qlinear only on constant weights.
+        if (self.spec.freezing or dtype is DType.INT8) and self.spec.backend == "inductor":
             compiled = _freezing_while_traced(compiled)
         if self.spec.uses_cuda_graphs and _device_of(module).type == "cuda":
             return _with_cudagraph_steps(compiled)
@@ -100,7 +102,8 @@ class CompileRung(Rung):
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
-    return next(module.parameters()).device
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)  # int8 graphs may hold no parameters
+    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 def _freezing_while_traced(compiled: Forward) -> Forward:

@@ -10,11 +10,12 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
 
     eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (the shipped rung: bf16 where the
     CPU has AVX512-BF16 or AMX, fp32 elsewhere), compile-{dynamic,static}-{fp32,bf16}-frozen,
-    compile-{dynamic,static}-int8[-frozen] (handlers.quantize.in_precision: torchao int8 linears, as the int8 rung),
+    compile-{dynamic,static}-int8[-frozen] (handlers.quantize.in_precision: torchao's dynamic int8 linears),
     compile-dynamic-int8-bf16 (the same int8 linears, the layers between them in bf16 instead of fp32),
     pt2e-static-int8[-bf16] (PT2E static quantization: torch.export, torchao's X86InductorQuantizer with per-tensor
     activation scales calibrated on other texts, frozen compile; -bf16 under bf16 autocast, as Intel recommends),
-    pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16: the form that keeps the gate),
+    pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16: the int8 rung's form,
+    handlers.quantize.static_int8, on this model),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
     which its rows report),

@@ -28,6 +28,7 @@ TEXTS = ["int8 keeps two nines of cosine", "a second, rather longer sentence abo
 def test_int8_is_tried_only_where_the_cpu_has_int8_dot_products():
     configured = (INT8, BF16, FP32)
     assert hardware.resolve_precisions(configured, CPU, VNNI_AND_BF16) == hardware.Choice(configured, "configured")
+    assert "int8 is CPU-only here" in quantize.int8_problem(torch.device("cuda"), VNNI_AND_BF16)
     dropped = hardware.resolve_precisions(configured, CPU, AVX2_ONLY)
     assert dropped.value == (BF16, FP32)
     assert dropped.reason.startswith("configured, less int8: the CPU has none of amx_int8/avx512_vnni/avx_vnni")
@@ -187,3 +188,34 @@ def test_int8_is_offered_exactly_where_its_matmuls_are_exact():
     wrong, not only slow: on an AVX-512 machine PT2_TEST_ISA=avx2 runs this as an AVX2-only CPU does."""
     offered = quantize.int8_problem(CPU, hardware.cpu_features()) is None
     assert offered == int8_matmul_is_exact(), (offered, hardware.cpu_features())
+
+
+@pytest.mark.torchao
+def test_static_int8_keeps_narrowing_linears_in_float_and_serves_shapes_it_was_not_calibrated_on():
+    """The ladder's int8 (PT2E, calibrated on the warmup batches): the widening and square linears get int8
+    weights (one per-channel dequantize each), the narrowing one stays float; batch and length, which vary across
+    the examples, stay dynamic in the exported graph."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.up, self.down, self.same = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x, mask):
+            return self.same(self.down(torch.nn.functional.gelu(self.up(x)))) * mask.unsqueeze(-1)
+
+    generator = torch.Generator().manual_seed(1)
+    examples = [{"x": torch.randn(rows, length, 16, generator=generator), "mask": torch.ones(rows, length)}
+                for rows, length in ((2, 5), (4, 7), (1, 3))]
+    quantized = quantize.static_int8(Net().eval(), examples)
+    targets = [str(node.target) for node in quantized.graph.graph.nodes if node.op == "call_function"]
+    assert targets.count("quantized_decomposed.dequantize_per_channel.default") == 2, targets
+    assert targets.count("aten.linear.default") == 3
+    x = torch.randn(3, 9, 16, generator=generator)
+    with torch.inference_mode():
+        got, want = quantized(x=x, mask=torch.ones(3, 9)), Net().eval()(x, torch.ones(3, 9))
+    assert got.shape == (3, 9, 16)
+    assert torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min().item() > 0.99
+    with pytest.raises(TypeError, match="warmup batches of named tensors"):
+        quantize.static_int8(Net(), [torch.ones(2, 16)])

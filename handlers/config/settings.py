@@ -245,9 +245,10 @@ class SettingsSection(Section):
     """The precisions to try, fastest first. `auto`: `[bfloat16, float32]` on a CPU with AMX or AVX512-BF16 or a GPU
     with bf16 (`[float16, float32]` on one without), `[float32]` on other CPUs. Or one precision (that one only), or a
     list of them, each once, e.g. `[bfloat16, float32]`, which `auto` may end: `[int8, auto]` tries int8, then what
-    `auto` picks. `int8` (int8 linear layers, the rest in float32) is opt-in: never chosen by `auto`, and left out
-    on a CPU without int8 dot products (VNNI or AMX), where it would not be faster; where it passes the gate it
-    serves only if at least 5 % faster than the same rung in the next precision. The fp32 model is always loaded
+    `auto` picks. `int8` (static int8 linear layers calibrated on the warmup batches, compiled frozen; the layers
+    that narrow and the rest in bf16 where bf16 is tried too, else float32) is opt-in: never chosen by `auto`, and
+    left out on a CPU without int8 dot products (VNNI or AMX), where it would not be faster; where it passes the
+    gate it serves only if at least 5 % faster than the same rung in the next precision. The fp32 model is always loaded
     too: the reference and the eager fallback."""
     ladder: Ladder = Field(DEFAULTS.ladder, json_schema_extra={"uniqueItems": True, "minItems": 1})
     """The rungs to try, in order: `compile` (what `pt2.compile` asks for), `safe_compile` (inductor, default mode,
