@@ -4,7 +4,7 @@ The ladder's int8 is **static** (``static_int8``): PT2E quantization with torcha
 model is exported with the warmup batches' varying axes dynamic; weights are quantized per output channel, and
 each activation once per tensor with a scale calibrated on the warmup batches. Linear layers that narrow (more
 inputs than outputs: a transformer's FFN output, whose input is GELU's long tail, and the task heads) stay in
-float, which keeps MiniLM embeddings at cosine 0.996 vs fp32 where quantizing them too loses the gate (0.970).
+float, which keeps MiniLM embeddings at cosine 0.993-0.996 vs fp32, where quantizing them too loses the gate (0.970).
 Compiled with freezing, each quantize step folds into the layer before it and the int8 linears become oneDNN's
 fused ``qlinear``: twice as fast as the dynamic scheme at 8x128 tokens (docs/performance.md: PT2E static int8).
 What is not quantized runs in ``rest``: bf16 under autocast where the ladder also tries bf16, else float32.
@@ -92,9 +92,8 @@ def in_precision(module: torch.nn.Module, dtype: DType, rest: torch.dtype = torc
 def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.Tensor]],
                 rest: torch.dtype = torch.float32) -> torch.nn.Module:
     """``module`` (float32) with every linear layer that does not narrow quantized statically to int8 (PT2E),
-    calibrated on ``examples`` (the warmup batches). Axes whose size varies across ``examples`` stay dynamic in
-    the exported graph, the others are fixed. Called with the same keywords as ``module``; what is not quantized
-    runs in ``rest``."""
+    calibrated on ``examples`` (the warmup batches), exported from the largest of them with every axis the model
+    lets vary dynamic. Called with the same keywords as ``module``; what is not quantized runs in ``rest``."""
     if not examples or not all(isinstance(example, Mapping) for example in examples):
         raise TypeError("static int8 needs warmup batches of named tensors to export and calibrate on")
     quantization, reason = probe_torchao()
@@ -108,7 +107,7 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
     largest = max(examples, key=lambda example: sum(tensor.numel() for tensor in example.values()))
     with torch.no_grad():
         graph = torch.export.export(positional, tuple(largest[name] for name in names),
-                                    dynamic_shapes=(_varying_axes(examples, names),), strict=False).module()
+                                    dynamic_shapes=(_dynamic_axes(largest, names),), strict=False).module()
     for node in list(graph.graph.nodes):  # export's dtype checks: they would fail under bf16 autocast
         if node.target is torch.ops.aten._assert_tensor_metadata.default:
             graph.graph.erase_node(node)
@@ -127,11 +126,10 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
     return _Keywords(quantized, names, rest)
 
 
-def _varying_axes(examples: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str]) -> tuple[dict, ...]:
-    """Per input, its axes whose size differs between examples, as automatic dynamic dimensions."""
-    shapes = [[tuple(example[name].shape) for example in examples] for name in names]
-    return tuple({axis: torch.export.Dim.AUTO for axis in range(len(sizes[0]))
-                  if len({size[axis] for size in sizes}) > 1} for sizes in shapes)
+def _dynamic_axes(example: Mapping[str, torch.Tensor], names: Sequence[str]) -> tuple[dict, ...]:
+    """Every axis of every input as automatic: export keeps dynamic what the model lets vary (batch, length, even
+    a length the warmup saw only once) and fixes what it pins (feature sizes), without asking."""
+    return tuple({axis: torch.export.Dim.AUTO for axis in range(example[name].dim())} for name in names)
 
 
 class _Positional(torch.nn.Module):
