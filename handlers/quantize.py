@@ -1,7 +1,7 @@
 """The model in a precision: a float dtype, or int8 linear layers, made for the ladder to prove.
 
 The ladder's int8 is **static** (``static_int8``): PT2E quantization with torchao's x86 inductor quantizer. The
-model is exported with the warmup batches' varying axes dynamic; weights are quantized per output channel, and
+model is exported with every axis the model lets vary dynamic; weights are quantized per output channel, and
 each activation once per tensor with a scale calibrated on the warmup batches. Linear layers that narrow (more
 inputs than outputs: a transformer's FFN output, whose input is GELU's long tail, and the task heads) stay in
 float, which keeps MiniLM embeddings at cosine 0.993-0.996 vs fp32, where quantizing them too loses the gate (0.970).
@@ -22,7 +22,7 @@ import functools
 import importlib
 import importlib.util
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -89,11 +89,18 @@ def in_precision(module: torch.nn.Module, dtype: DType, rest: torch.dtype = torc
     return module
 
 
+def narrows(name: str, layer: torch.nn.Linear) -> bool:
+    """A linear layer with more inputs than outputs: a transformer's FFN output, a task head."""
+    return layer.in_features > layer.out_features
+
+
 def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.Tensor]],
-                rest: torch.dtype = torch.float32) -> torch.nn.Module:
-    """``module`` (float32) with every linear layer that does not narrow quantized statically to int8 (PT2E),
-    calibrated on ``examples`` (the warmup batches), exported from the largest of them with every axis the model
-    lets vary dynamic. Called with the same keywords as ``module``; what is not quantized runs in ``rest``."""
+                rest: torch.dtype = torch.float32,
+                keep_float: Callable[[str, torch.nn.Linear], bool] = narrows) -> torch.nn.Module:
+    """``module`` (float32) with every linear layer but those ``keep_float`` names (by default the narrowing
+    ones) quantized statically to int8 (PT2E), calibrated on ``examples`` (the warmup batches), exported from the
+    largest of them with every axis the model lets vary dynamic. Called with the same keywords as ``module``;
+    what is not quantized runs in ``rest``."""
     if not examples or not all(isinstance(example, Mapping) for example in examples):
         raise TypeError("static int8 needs warmup batches of named tensors to export and calibrate on")
     quantization, reason = probe_torchao()
@@ -115,7 +122,7 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
     graph.recompile()
     quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
     for name, layer in positional.named_modules():
-        if isinstance(layer, torch.nn.Linear) and layer.in_features > layer.out_features:
+        if isinstance(layer, torch.nn.Linear) and keep_float(name, layer):
             quantizer.set_module_name_qconfig(name, None)
     with _quiet_torchao():
         prepared = quantize_pt2e.prepare_pt2e(graph, quantizer)

@@ -187,53 +187,20 @@ def one_graph_runner(compiled: Any) -> Runner:
 
 
 def pt2e_runner(module: Any, variant: Variant, calibration: list[Batch]) -> Runner:
-    """PT2E static int8: export with dynamic batch and length, the unused pooler removed (its dangling tanh is
-    what broke X86InductorQuantizer's linear+unary annotation), per-tensor activation scales from
-    ``calibration``, then compiled as the frozen compile rung; ``int8+bfloat16`` runs it under bf16 autocast."""
+    """PT2E static int8 as the int8 rung builds it (handlers.quantize.static_int8), calibrated on
+    ``calibration``, but quantizing every linear layer save those ``variant.float_linears`` names; then compiled
+    as the frozen compile rung. ``int8+bfloat16``: the float layers under bf16 autocast."""
     import re
 
     import torch
 
-    try:
-        from torchao.quantization.pt2e import quantize_pt2e
-        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
-    except ImportError as exc:
-        raise Skip(f"torchao's PT2E quantizer does not import ({exc})") from exc
-    positional = positional_embedder_class()(copy.deepcopy(module)).eval()
-    example = max(calibration, key=lambda rows: rows["input_ids"].shape[0])  # export sees no size-1 dim
-    batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=2, max=512)
-    with torch.no_grad():
-        graph = torch.export.export(positional, (example["input_ids"], example["attention_mask"]),
-                                    dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq})).module()
-    graph.graph.eliminate_dead_code()
-    graph.recompile()
-    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
-    if variant.float_linears:
-        for name, layer in positional.named_modules():
-            if isinstance(layer, torch.nn.Linear) and re.search(variant.float_linears, name):
-                quantizer.set_module_name_qconfig(name, None)
-    prepared = quantize_pt2e.prepare_pt2e(graph, quantizer)
-    with torch.no_grad():
-        for rows in calibration:
-            prepared(rows["input_ids"], rows["attention_mask"])
-    quantized = quantize_pt2e.convert_pt2e(prepared)
+    from handlers.quantize import static_int8
 
-    class Keywords(torch.nn.Module):  # the compile rung and the runner call with keywords
-        def __init__(self, inner: torch.nn.Module):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            return self.inner(input_ids, attention_mask)
-
-    served = one_graph_runner(compile_as_rung(Keywords(quantized), variant))
-    autocast = variant.dtype == "int8+bfloat16"
-
-    def run(rows: Batch) -> Any:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            return served(rows)
-
-    return run
+    pattern = variant.float_linears
+    rest = torch.bfloat16 if variant.dtype == "int8+bfloat16" else torch.float32
+    quantized = static_int8(copy.deepcopy(module), calibration, rest,
+                            keep_float=lambda name, layer: bool(pattern and re.search(pattern, name)))
+    return one_graph_runner(compile_as_rung(quantized, variant))
 
 
 def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int, quantized: bool = False) -> Runner:
