@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from handlers import compile_cache, hardware, open_inference
+from handlers import calibration, compile_cache, hardware, open_inference
 from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady
 from handlers.guard import GuardedForward
-from handlers.ladder import Attempt, AttemptStatus, LadderResult, run_ladder, summarize
+from handlers.ladder import Attempt, AttemptStatus, Calibration, LadderResult, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
 from handlers.rungs import build_ladder
 from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
@@ -67,6 +67,7 @@ class Engine:
         self.failure: str | None = None
         self.load_seconds: float | None = None
         self.attempts: list[Attempt] = []
+        self.int8_calibration: str | None = None  # int8 was tried: what it was calibrated on and judged on
         self.cache_use: dict[str, dict[str, int]] | None = None  # what the compile caches served at load
         self.notes: list[str] = []
         self.batches = 0
@@ -123,12 +124,14 @@ class Engine:
         cache_before = compile_cache.use_counters()
         precisions: tuple[DType, ...] = self.precisions.value
         result = run_ladder(reference, precisions, rungs, batches,
-                            lambda dtype: task_class.quality_gate(dtype, settings.quality_gate), run=self._task.prove)
+                            lambda dtype: task_class.quality_gate(dtype, settings.quality_gate), run=self._task.prove,
+                            calibration=self._int8_calibration() if DType.INT8 in precisions else None)
         self.cache_use = compile_cache.use_since(cache_before)
         logger.info("compile cache %s: %s", self.cache.path, ", ".join(
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
             for cache, use in self.cache_use.items()))
         self.attempts = result.attempts
+        self.int8_calibration = result.calibration
         self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
         self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
@@ -264,6 +267,18 @@ class Engine:
         assert self._guard is not None
         return self._guard(**inputs)
 
+    def _int8_calibration(self) -> Calibration:
+        """What int8 is calibrated on and judged on besides the warmup: the archive's file, or a vocabulary sample."""
+        relative = self.config.settings.int8_calibration
+        shapes = self.shapes.warmup_shapes()
+        if relative is None:
+            found = calibration.vocabulary_sample(self._task, shapes)
+        else:
+            found = calibration.from_texts(self._task, shapes, calibration.read_texts(self.model_root, relative),
+                                           relative)
+        return Calibration([self._on_device(batch) for batch in found.batches],
+                           [self._on_device(batch) for batch in found.held_out], found.source)
+
     def _on_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: tensor.to(self.device) for name, tensor in batch.items()}
 
@@ -275,6 +290,7 @@ class Engine:
             "device": str(self.device),
             "dtype": self.dtype.value.value,
             "dtype_reason": self.dtype.reason,
+            "int8_calibration": self.int8_calibration,
             "precisions": {"tried_in_order": [p.value for p in self.precisions.value],
                            "reason": self.precisions.reason},
             "threads": {"intra_op": self.threads.value, "reason": self.threads.reason},

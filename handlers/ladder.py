@@ -3,6 +3,7 @@
 The order of attempts is ``handlers.plan`` (rungs x precisions); this module runs them. An attempt is accepted
 only after the warmup batches ran through it *inside* the guard (``torch.compile`` is lazy: graph and codegen
 failures surface on the first forward) and its outputs passed the task's quality gate against **fp32 eager**.
+int8, calibrated on data (``Calibration``), is also judged on held-out batches that calibration never saw.
 A compile rung must also be compiled for real: a second warmup pass compiles nothing new, and dynamo gave up on
 no frame (``handlers.dynamo_watch``). Anything else records a reason and moves on. fp32 eager is the reference
 and the last resort.
@@ -52,14 +53,28 @@ class AttemptStatus(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Quality:
-    """The gate's worst value over the warmup batches (higher is better) and the bar it had to clear."""
+    """The gate's worst value over the batches it judged (higher is better) and the bar it had to clear; for int8,
+    also the worst over the held-out batches alone (``value`` is the worst of all)."""
 
     metric: str
     value: float
     threshold: float
+    held_out: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"metric": self.metric, "value": round(self.value, 6), "threshold": self.threshold}
+        held_out = {} if self.held_out is None else {"held_out": round(self.held_out, 6)}
+        return {"metric": self.metric, "value": round(self.value, 6), "threshold": self.threshold, **held_out}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What int8 is calibrated on (``batches``) and judged on besides the warmup batches (``held_out``, at the
+    warmup shapes): different texts, so the gate measures int8 on what its calibration did not see. ``source``
+    says where both came from (describe)."""
+
+    batches: Sequence[Any]
+    held_out: Sequence[Any]
+    source: str
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,7 @@ class LadderResult:
     forward: Forward
     dtype: DType
     attempts: list[Attempt] = field(default_factory=list)
+    calibration: str | None = None  # int8 was tried: what it was calibrated on, what it was judged on
 
 
 def run_ladder(
@@ -123,18 +139,26 @@ def run_ladder(
     warmup_batches: Sequence[Any],
     gate: Callable[[DType], QualityGate],
     run: Run = call,
+    calibration: Calibration | None = None,
 ) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
     If none does, serve the reference. An accepted int8 attempt serves only if it is faster on the warmup batches
-    than the same rung at the next precision that passes (``MUST_PAY``). ``run(forward, batch)`` runs one warmup
-    batch (by default ``forward(**batch)``; generation runs a decode loop instead)."""
+    than the same rung at the next precision that passes (``MUST_PAY``). int8 is calibrated on ``calibration``
+    and judged on its held-out batches too; without one, on the warmup batches (which then flatter it).
+    ``run(forward, batch)`` runs one warmup batch (by default ``forward(**batch)``; generation runs a decode loop
+    instead)."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
         references = [_detached(run(reference, batch)) for batch in warmup_batches]
+    if DType.INT8 not in precisions:
+        calibration = None
+    elif calibration is None:
+        calibration = Calibration(warmup_batches, (), "the warmup batches; nothing held out")
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run,
-                   int8_rest=torch.bfloat16 if DType.BFLOAT16 in precisions else torch.float32)
+                   int8_rest=torch.bfloat16 if DType.BFLOAT16 in precisions else torch.float32,
+                   calibration=calibration)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
                      runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)),
                      must_pay=[p.value for p in MUST_PAY], faster=ladder.faster)
@@ -143,8 +167,9 @@ def run_ladder(
         reason = None if planned else (f"no rung kept the answers in {' or '.join(p.value for p in precisions)}; "
                                        "serving fp32 eager")
         ladder.attempts.append(Attempt(plan.EAGER, AttemptStatus.ACCEPTED, reason, 0.0, DType.FLOAT32.value))
-        return LadderResult(plan.EAGER, reference, DType.FLOAT32, ladder.attempts)
-    return LadderResult(step.rung, ladder.forwards[step], DType(step.precision), ladder.attempts)
+        return LadderResult(plan.EAGER, reference, DType.FLOAT32, ladder.attempts, ladder.calibration_said)
+    return LadderResult(step.rung, ladder.forwards[step], DType(step.precision), ladder.attempts,
+                        ladder.calibration_said)
 
 
 class _Walk:
@@ -152,7 +177,7 @@ class _Walk:
 
     def __init__(self, reference: torch.nn.Module, rungs: Sequence[Rung], batches: Sequence[Any],
                  references: Sequence[Any], gate: Callable[[DType], QualityGate], run: Run,
-                 int8_rest: torch.dtype = torch.float32):
+                 int8_rest: torch.dtype = torch.float32, calibration: Calibration | None = None):
         self.rungs = {rung.name: rung for rung in rungs}
         self.reference = reference
         self.batches = batches
@@ -160,6 +185,8 @@ class _Walk:
         self.gate = gate
         self.run = run
         self.int8_rest = int8_rest
+        self.calibration = calibration
+        self._held_out: tuple[Sequence[Any], Sequence[Any]] | None = None  # int8's held-out batches, references
         self.attempts: list[Attempt] = []
         self.forwards: dict[plan.Step, Forward] = {}
         self._attempt_of: dict[plan.Step, int] = {}  # where each accepted step's attempt is in ``attempts``
@@ -178,7 +205,7 @@ class _Walk:
             self.forwards[step] = self._model(dtype)
             return plan.Outcome.ACCEPTED
         attempt, forward = _try(rung, self._model(dtype), dtype, self.batches, self.references, self.gate(dtype),
-                                self.run)
+                                self.run, self._held_out_for(dtype))
         self.attempts.append(attempt)
         if forward is not None:
             self.forwards[step] = forward
@@ -222,7 +249,8 @@ class _Walk:
                                          f"screen: converting the model to {dtype.value} failed: {summarize(exc)}; "
                                          f"so no rung runs in {dtype.value}", 0.0, dtype.value, screen=True))
             return plan.Outcome.RAISED
-        attempt, _ = _try(EagerRung(), model, dtype, self.batches, self.references, self.gate(dtype), self.run)
+        attempt, _ = _try(EagerRung(), model, dtype, self.batches, self.references, self.gate(dtype), self.run,
+                          self._held_out_for(dtype))
         if attempt.status is AttemptStatus.ACCEPTED:
             attempt = _replace(attempt, status=AttemptStatus.PASSED, screen=True,
                                reason=f"screen: {dtype.value} keeps the answers in eager; faster rungs try it first")
@@ -234,12 +262,33 @@ class _Walk:
         self.attempts.append(attempt)
         return _outcome(attempt)
 
+    @property
+    def calibration_said(self) -> str | None:
+        """For describe: what int8 was calibrated on and what it was judged on."""
+        if self.calibration is None:
+            return None
+        held_out = len(self.calibration.held_out)
+        return (f"calibrated on {self.calibration.source} ({len(self.calibration.batches)} batches); judged on the "
+                f"{len(self.batches)} warmup batches" + (f" and {held_out} held-out batches" if held_out else ""))
+
+    def _held_out_for(self, dtype: DType) -> tuple[Sequence[Any], Sequence[Any]] | None:
+        """int8's held-out batches and fp32 eager's answers to them (computed once); None for other precisions."""
+        if dtype is not DType.INT8 or self.calibration is None or not self.calibration.held_out:
+            return None
+        if self._held_out is None:
+            with torch.inference_mode():
+                answers = [_detached(self.run(self.reference, batch)) for batch in self.calibration.held_out]
+            self._held_out = (self.calibration.held_out, answers)
+        return self._held_out
+
     def _model(self, dtype: DType) -> torch.nn.Module:
         """The model in ``dtype``: the reference itself for fp32, a converted copy (made once) otherwise; int8
-        is calibrated on the warmup batches, its float layers in bf16 where the ladder tries bf16 too."""
+        is calibrated on ``calibration``, its float layers in bf16 where the ladder tries bf16 too."""
         if dtype not in self._models:
             if dtype is DType.INT8:
-                self._models[dtype] = static_int8(copy.deepcopy(self.reference), self.batches, self.int8_rest)
+                assert self.calibration is not None  # run_ladder gives one whenever int8 is tried
+                self._models[dtype] = static_int8(copy.deepcopy(self.reference), self.calibration.batches,
+                                                  self.int8_rest)
             else:
                 self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
         return self._models[dtype]
@@ -258,7 +307,8 @@ def _replace(attempt: Attempt, **changes: Any) -> Attempt:
 
 
 def _try(rung: Rung, module: torch.nn.Module, dtype: DType, batches: Sequence[Any], references: Sequence[Any],
-         gate: QualityGate, run: Run) -> tuple[Attempt, Forward | None]:
+         gate: QualityGate, run: Run, held_out: tuple[Sequence[Any], Sequence[Any]] | None = None,
+         ) -> tuple[Attempt, Forward | None]:
     started = time.perf_counter()
     reason = rung.unavailable_reason()
     if reason is not None:
@@ -273,6 +323,8 @@ def _try(rung: Rung, module: torch.nn.Module, dtype: DType, batches: Sequence[An
             quality = _prove(f"{rung.name} ({dtype.value})", forward, batches, references, gate, run)
             if compiled:
                 counts = _check_steady_state(forward, batches, run, before)
+            if held_out is not None:  # at the warmup shapes: nothing new to compile
+                quality = _judge_held_out(f"{rung.name} ({dtype.value})", forward, *held_out, gate, run, quality)
     except Exception as exc:  # noqa: BLE001 -- any failure of an optimized rung means: next attempt
         seconds = _since(started)
         logger.warning("rung %s (%s) failed after %.1fs: %s", rung.name, dtype.value, seconds, summarize(exc),
@@ -303,6 +355,19 @@ def _check_steady_state(forward: Forward, batches: Sequence[Any], run: Run, befo
         logger.warning("compiled with %d graph break(s): eager Python runs between %d graphs", first.graph_breaks,
                        first.graphs)
     return first
+
+
+def _judge_held_out(name: str, forward: Forward, batches: Sequence[Any], references: Sequence[Any],
+                    gate: QualityGate, run: Run, warmup: Quality) -> Quality:
+    """The gate on the held-out batches too: ``warmup``'s quality with the held-out worst added, if that passes."""
+    try:
+        held_out = _prove(f"{name} held out", forward, batches, references, gate, run)
+    except QualityError as exc:
+        assert exc.quality is not None
+        quality = Quality(gate.metric, min(warmup.value, exc.quality.value), gate.threshold, exc.quality.value)
+        raise QualityError(f"{exc} on held-out batches (calibration never saw them; the warmup batches read "
+                           f"{warmup.value:.6f})", quality) from None
+    return Quality(gate.metric, min(warmup.value, held_out.value), gate.threshold, held_out.value)
 
 
 def _prove(name: str, forward: Forward, batches: Sequence[Any], references: Sequence[Any],

@@ -91,11 +91,11 @@ def int8_cpu(monkeypatch):
         monkeypatch.setattr(hardware, "cpu_features", lambda: {**features, "avx512_vnni": True})
 
 
-def load(model_dir: Path, task: str, dtype) -> Engine:
+def load(model_dir: Path, task: str, dtype, **settings) -> Engine:
     torch._dynamo.reset()
     raw = {"pt2": {"compile": {"enable": True, "backend": "eager"}},
            "pt2_handlers": {"task": task, "model_dir": str(model_dir), "dtype": dtype, "shapes": SHAPES,
-                            "ladder": ["compile", "safe_compile", "ipex", "eager"]}}
+                            "ladder": ["compile", "safe_compile", "ipex", "eager"], **settings}}
     engine = Engine(load_config(raw), Path("/"), CPU, model_dir.name)
     engine.load()
     return engine
@@ -122,15 +122,46 @@ def assert_raced(optimization: dict, rival: str) -> str:
     return served
 
 
+CALIBRATION_TEXTS = [  # what a search box might be sent, 12 texts: 9 to calibrate on, 3 held out
+    "How do I reset my password without access to my old email address?",
+    "Refunds are processed within five to seven business days after we receive the item.",
+    "cheap flights to lisbon in march",
+    "The committee postponed the vote so that members could review the amended budget.",
+    "Why does my sourdough bread come out dense and flat?",
+    "Kubernetes schedules pods onto nodes based on resource requests and affinity rules.",
+    "Symptoms of dehydration include thirst, dark urine, fatigue and headache.",
+    "The orchestra opened the season with a symphony and a new piece by a local composer.",
+    "best running shoes for flat feet",
+    "A memory leak in the worker process made latency climb until it was restarted.",
+    "The bank raised its interest rate by a quarter point, citing inflation in services.",
+    "Wildfires forced thousands of residents to leave as winds pushed the flames toward the valley.",
+]
+
+
 @pytest.mark.torchao
-def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir, reference):
-    engine = load(minilm_dir, "embeddings", ["int8", "float32"])
+@pytest.mark.parametrize("calibration_file", [False, True], ids=["vocabulary-sample", "calibration-file"])
+def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir, reference, tmp_path,
+                                                           calibration_file):
+    """int8 is calibrated on the archive's file, or on a vocabulary sample, and judged on the warmup batches and
+    on held-out texts it was not calibrated on: describe says which, and gives the held-out value."""
+    settings = {}
+    if calibration_file:
+        (tmp_path / "calibration.txt").write_text("\n".join(CALIBRATION_TEXTS), encoding="utf-8")
+        settings["int8_calibration"] = str(tmp_path / "calibration.txt")  # the test's archive root is /
+    engine = load(minilm_dir, "embeddings", ["int8", "float32"], **settings)
     optimization = engine.describe()["optimization"]
     served = assert_raced(optimization, "float32")
     assert (optimization["active"], optimization["dtype"]) == ("compile", served)
+    source = f"{tmp_path / 'calibration.txt'}: 9 texts, 3 more held out" if calibration_file else (
+        "a sample of the vocabulary's")
+    assert optimization["int8_calibration"].startswith(f"calibrated on {source}"), optimization["int8_calibration"]
+    warmed = len(engine.shapes.warmup_shapes())  # a held-out batch at each warmup shape: nothing new to compile
+    assert optimization["int8_calibration"].endswith(f"judged on the {warmed} warmup batches and {warmed} held-out "
+                                                     "batches")
     for attempt in optimization["attempts"][:2]:
         assert attempt["quality"]["metric"] == "min_cosine"
         assert attempt["quality"]["threshold"] == 0.99 <= attempt["quality"]["value"] < 0.9999
+        assert attempt["quality"]["value"] <= attempt["quality"]["held_out"] < 0.9999
     [answer] = engine.predict([{"inputs": TEXTS}])
     cosine = torch.nn.functional.cosine_similarity(torch.tensor(answer["embeddings"]), reference(TEXTS), dim=-1)
     assert cosine.min().item() >= (0.99 if served == "int8" else 0.9999)

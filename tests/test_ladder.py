@@ -13,7 +13,7 @@ import torch
 from handlers.config import CompileSpec, DType, RungName, load_config
 from handlers.dynamo_watch import dynamo_counts
 from handlers.guard import GuardedForward, ShapeNotWarmed, is_refused_recompile
-from handlers.ladder import AttemptStatus, QualityError, run_ladder
+from handlers.ladder import AttemptStatus, Calibration, QualityError, run_ladder
 from handlers.rungs import CompileRung, EagerRung, IpexRung, Rung, build_ladder
 from handlers.ipex import probe_ipex
 from handlers.shapes import AfterReady
@@ -567,3 +567,31 @@ def test_a_cpu_worker_without_a_cpp_compiler_skips_the_inductor_rungs_at_once():
                           "pt2_handlers": {"ladder": ["compile", "safe_compile", "eager"]}})
     rungs = build_ladder(config, cpu, inductor_unavailable=problem)
     assert [rung.unavailable_reason() for rung in rungs[:2]] == [None, problem]
+
+
+@pytest.mark.torchao
+@pytest.mark.parametrize("spread", [1.0, 20.0])
+def test_int8_is_judged_on_held_out_batches_its_calibration_never_saw(net, batches, spread):
+    """Static int8 fixes its activation scales on the calibration batches. Held-out batches like them pass; held-out
+    batches 20 times wider clip at those scales and fail the int8 screen, though the warmup batches pass: describe
+    gives both values and what int8 was calibrated on."""
+    generator = torch.Generator().manual_seed(2)
+    calibration = Calibration([{"x": torch.randn(4, 8, generator=generator)} for _ in range(4)],
+                              [{"x": spread * torch.randn(2, 8, generator=generator)}], "four random batches")
+    result = run_ladder(net, (DType.INT8, DType.FLOAT32), [SlowIn("compile", DType.FLOAT32, 0), EagerRung()],
+                        batches, int8_gate, calibration=calibration)
+    screen = result.attempts[0]
+    assert (screen.rung, screen.dtype, screen.screen) == ("eager", "int8", True)
+    assert screen.quality.held_out is not None and screen.quality.value == min(screen.quality.held_out,
+                                                                                screen.quality.value)
+    assert result.calibration == ("calibrated on four random batches (4 batches); judged on the 2 warmup batches "
+                                  "and 1 held-out batches")
+    if spread == 1.0:
+        assert screen.status is AttemptStatus.PASSED and screen.quality.held_out >= 0.9
+        compiled = result.attempts[1]
+        assert (compiled.rung, compiled.dtype) == ("compile", "int8") and compiled.quality.held_out >= 0.9
+    else:
+        assert screen.status is AttemptStatus.FAILED and screen.quality.held_out < 0.9
+        assert "below the gate's 0.9 on held-out batches (calibration never saw them; the warmup batches read " \
+               in screen.reason
+        assert result.dtype is DType.FLOAT32

@@ -245,11 +245,17 @@ class SettingsSection(Section):
     """The precisions to try, fastest first. `auto`: `[bfloat16, float32]` on a CPU with AMX or AVX512-BF16 or a GPU
     with bf16 (`[float16, float32]` on one without), `[float32]` on other CPUs. Or one precision (that one only), or a
     list of them, each once, e.g. `[bfloat16, float32]`, which `auto` may end: `[int8, auto]` tries int8, then what
-    `auto` picks. `int8` (static int8 linear layers calibrated on the warmup batches, compiled frozen; the layers
+    `auto` picks. `int8` (static int8 linear layers calibrated on `int8_calibration`, compiled frozen; the layers
     that narrow and the rest in bf16 where bf16 is tried too, else float32) is opt-in: never chosen by `auto`, and
-    left out on a CPU without int8 dot products (VNNI or AMX), where it would not be faster; where it passes the
-    gate it serves only if at least 5 % faster than the same rung in the next precision. The fp32 model is always loaded
-    too: the reference and the eager fallback."""
+    left out on a CPU without int8 dot products (VNNI or AMX), where it would not be faster. It is judged on the
+    warmup batches and on held-out texts it was not calibrated on; where it passes the gate it serves only if at
+    least 5 % faster than the same rung in the next precision. The fp32 model is always loaded too: the reference
+    and the eager fallback."""
+    int8_calibration: StrictStr | None = DEFAULTS.int8_calibration
+    """With `int8` in `dtype`: a UTF-8 text file in the archive (relative to it, e.g. `calibration.txt`, packaged
+    with `--extra-files`), one text per line, like those the model will be sent; at least 4. int8 is calibrated on
+    all but every 4th line and judged on those. Left out: texts of words sampled from the tokenizer's vocabulary
+    (seeded), 32 to calibrate on and others to judge on."""
     ladder: Ladder = Field(DEFAULTS.ladder, json_schema_extra={"uniqueItems": True, "minItems": 1})
     """The rungs to try, in order: `compile` (what `pt2.compile` asks for), `safe_compile` (inductor, default mode,
     no custom options), `ipex` (CPU only), `eager`. `eager` always ends the ladder: left out, it is added; listed,
@@ -274,6 +280,15 @@ class SettingsSection(Section):
     """Failed optimized forwards on live batches before the worker demotes itself to fp32 eager."""
     max_inputs_per_request: PositiveInt = DEFAULTS.max_inputs_per_request
     """Texts per request (question answering: context windows); more gets a 400."""
+
+    @field_validator("int8_calibration")
+    @classmethod
+    def _only_with_int8(cls, path: str | None, info: ValidationInfo) -> str | None:
+        dtype = info.data.get("dtype")
+        if path is not None and dtype is not None and DType.INT8 not in dtype:
+            raise problem(f"only int8 is calibrated, and dtype [{', '.join(d.value for d in dtype)}] has no int8; "
+                          "add int8 to dtype (e.g. [int8, auto]) or drop int8_calibration")
+        return path
 
     @field_validator("shapes")
     @classmethod

@@ -32,7 +32,7 @@ class DType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
-    INT8 = "int8"  # opt-in only (never from auto): int8 linear layers (torchao), the rest in float32
+    INT8 = "int8"  # opt-in only (never from auto): static int8 linear layers (PT2E), the rest in bf16 or float32
 
     @property
     def torch(self) -> torch.dtype:
@@ -113,6 +113,7 @@ class HandlerSettings:
     too_long: TooLong | None = None  # None: the task's own default (embeddings truncate, the others reject)
     # The precisions the model may serve in, fastest first; (AUTO,) resolves from the hardware at load.
     dtype: tuple[DType, ...] = (DType.AUTO,)
+    int8_calibration: str | None = None  # texts int8 is calibrated on, in the archive; None: a vocabulary sample
     ladder: tuple[RungName, ...] = (RungName.COMPILE, RungName.SAFE_COMPILE, RungName.IPEX, RungName.EAGER)
     shapes: ShapePolicy = field(default_factory=ShapePolicy)
     quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))

@@ -158,13 +158,27 @@ class Task(ABC):
         )
         return {name: encoded[name] for name in self.tokenizer.model_input_names if name in encoded}
 
-    def warmup_batches(self, shapes: Sequence[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
-        """Real tokenized text at each (batch, sequence) shape; rows of different lengths exercise padding."""
-        batches = []
+    def warmup_batches(self, shapes: Sequence[tuple[int, int]],
+                       texts: Sequence[str] | None = None) -> list[dict[str, torch.Tensor]]:
+        """Real tokenized text at each (batch, sequence) shape; rows of different lengths exercise padding. The
+        warmup words, or the first words of each of ``texts`` in turn (int8's held-out batches)."""
+        batches, turn = [], 0
         for batch_size, seq_len in shapes:
-            texts = [self._words(max(1, seq_len * (row + 1) // batch_size)) for row in range(batch_size)]
-            batches.append(self.tokenize(texts, padding="max_length", max_length=seq_len))
+            rows = []
+            for row in range(batch_size):
+                count = max(1, seq_len * (row + 1) // batch_size)
+                rows.append(self._words(count) if texts is None else " ".join(texts[turn % len(texts)].split()[:count]))
+                turn += 1
+            batches.append(self.tokenize(rows, padding="max_length", max_length=seq_len))
         return batches
+
+    def text_batches(self, texts: Sequence[str], batch_size: int) -> list[dict[str, torch.Tensor]]:
+        """``texts`` tokenized in batches of ``batch_size``, shortest first so that a batch holds texts of about
+        one length: int8's calibration, whose scales padding would widen (padded rows ruined MiniLM's: cosine
+        0.971 on held-out texts of 128 words, 0.993 with length-sorted batches; docs/ladder.md)."""
+        ordered = sorted(texts, key=lambda text: len(self.tokenize([text])["input_ids"][0]))
+        return [self.tokenize(ordered[start:start + batch_size], padding=True)
+                for start in range(0, len(ordered), batch_size)]
 
     @staticmethod
     def _words(count: int) -> str:
