@@ -2,10 +2,11 @@
 
 Static int8 fixes one scale per activation from the texts it is calibrated on. Judged on those same texts, it
 looks better than it serves (MiniLM: cosine 0.9957 on its calibration texts, 0.9899 on the benchmark's), so the
-gate never judges int8 on a text it was calibrated on. The texts come from the archive's calibration file
-(``pt2_handlers.int8_calibration``: one text per line, what the model will be sent), every ``HELD_OUT_EVERY``-th
-line held out; or, without one, from a seeded sample of the tokenizer's whole words: a wider spread of tokens
-than the warmup's one sentence, which gives wider scales (docs/ladder.md: int8).
+gate also judges int8 on texts it was not calibrated on. By default int8 is calibrated on the warmup batches and
+judged on them and on a seeded sample of texts of the tokenizer's whole words (``held_out_sample``); with the
+archive's calibration file (``pt2_handlers.int8_calibration``: one text per line, what the model will be sent),
+on all but every ``HELD_OUT_EVERY``-th line, and judged on those (``from_texts``). Which calibration does best on
+held-out texts: ``scripts/int8_calibration.py`` (docs/ladder.md: int8).
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from handlers.ladder import Calibration
 from handlers.tasks.base import WARMUP_WORDS
 
 HELD_OUT_EVERY = 4  # of a calibration file's texts, every 4th is judged on and never calibrated on
-SAMPLE_TEXTS = 32  # texts sampled from the vocabulary to calibrate on (about 2,500 words at MiniLM's 256 tokens)
-SAMPLE_SEED = 0  # the same sample on every load: the same scales, the same gate value
+SAMPLE_SEED = 0  # the same held-out texts on every load: the same gate value
 MARKERS = ("▁", "Ġ")  # how SentencePiece and byte-level BPE vocabularies mark a word's start
 
 
@@ -62,26 +62,23 @@ def from_texts(task: Batches, shapes: Sequence[tuple[int, int]], texts: Sequence
     return _calibration(task, shapes, fit, held_out, source)
 
 
-def vocabulary_sample(task: Batches, shapes: Sequence[tuple[int, int]]) -> Calibration:
-    """``SAMPLE_TEXTS`` texts of whole words drawn from the tokenizer's vocabulary (seeded), of every length up to
-    ``max_length``, to calibrate on; one more per row of the warmup shapes to hold out."""
+def held_out_sample(task: Batches, shapes: Sequence[tuple[int, int]], warmup: Sequence[Any]) -> Calibration:
+    """Calibrate on the ``warmup`` batches; judge on texts of whole words drawn from the tokenizer's vocabulary
+    (seeded: the same texts, the same gate value on every load), ``max_length`` words long, one per row of the
+    warmup ``shapes`` (each row cut to the warmup row's length)."""
     words = whole_words(task.tokenizer)
     rng = random.Random(SAMPLE_SEED)
-    longest = max(2, task.max_length - 2)  # less the special tokens
-
-    def sample(count: int) -> list[str]:
-        return [" ".join(rng.choices(words, k=rng.randint(min(8, longest), longest))) for _ in range(count)]
-
-    fit, held_out = sample(SAMPLE_TEXTS), sample(sum(size for size, _ in shapes))
-    return _calibration(task, shapes, fit, held_out,
-                        f"a sample of the vocabulary's {len(words)} whole words (seed {SAMPLE_SEED})")
+    held_out = [" ".join(rng.choices(words, k=task.max_length)) for _ in range(sum(size for size, _ in shapes))]
+    return Calibration(list(warmup), task.warmup_batches(shapes, held_out),
+                       f"the warmup batches, judged also on {len(held_out)} texts of the vocabulary's {len(words)} "
+                       f"whole words (seed {SAMPLE_SEED})")
 
 
 def _calibration(task: Batches, shapes: Sequence[tuple[int, int]], fit: Sequence[str], held_out: Sequence[str],
                  source: str) -> Calibration:
     batch_size = max(size for size, _ in shapes)
     return Calibration(task.text_batches(fit, batch_size), task.warmup_batches(shapes, held_out),
-                       f"{source}: {len(fit)} texts, {len(held_out)} more held out")
+                       f"{source}: {len(fit)} texts, judged also on {len(held_out)} more held out")
 
 
 def whole_words(tokenizer: Any) -> list[str]:

@@ -125,7 +125,7 @@ class Engine:
         precisions: tuple[DType, ...] = self.precisions.value
         result = run_ladder(reference, precisions, rungs, batches,
                             lambda dtype: task_class.quality_gate(dtype, settings.quality_gate), run=self._task.prove,
-                            calibration=self._int8_calibration() if DType.INT8 in precisions else None)
+                            calibration=self._int8_calibration(batches) if DType.INT8 in precisions else None)
         self.cache_use = compile_cache.use_since(cache_before)
         logger.info("compile cache %s: %s", self.cache.path, ", ".join(
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
@@ -267,12 +267,13 @@ class Engine:
         assert self._guard is not None
         return self._guard(**inputs)
 
-    def _int8_calibration(self) -> Calibration:
-        """What int8 is calibrated on and judged on besides the warmup: the archive's file, or a vocabulary sample."""
+    def _int8_calibration(self, warmup: list[dict[str, torch.Tensor]]) -> Calibration:
+        """What int8 is calibrated on and judged on besides the warmup: the archive's file, or the warmup batches
+        and a vocabulary sample."""
         relative = self.config.settings.int8_calibration
         shapes = self.shapes.warmup_shapes()
         if relative is None:
-            found = calibration.vocabulary_sample(self._task, shapes)
+            found = calibration.held_out_sample(self._task, shapes, warmup)
         else:
             found = calibration.from_texts(self._task, shapes, calibration.read_texts(self.model_root, relative),
                                            relative)

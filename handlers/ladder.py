@@ -155,7 +155,7 @@ def run_ladder(
     if DType.INT8 not in precisions:
         calibration = None
     elif calibration is None:
-        calibration = Calibration(warmup_batches, (), "the warmup batches; nothing held out")
+        calibration = Calibration(warmup_batches, (), "the warmup batches")
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run,
                    int8_rest=torch.bfloat16 if DType.BFLOAT16 in precisions else torch.float32,
                    calibration=calibration)
@@ -269,7 +269,8 @@ class _Walk:
             return None
         held_out = len(self.calibration.held_out)
         return (f"calibrated on {self.calibration.source} ({len(self.calibration.batches)} batches); judged on the "
-                f"{len(self.batches)} warmup batches" + (f" and {held_out} held-out batches" if held_out else ""))
+                f"{len(self.batches)} warmup batches" + (f" and {held_out} held-out batches" if held_out else
+                                                         ", nothing held out"))
 
     def _held_out_for(self, dtype: DType) -> tuple[Sequence[Any], Sequence[Any]] | None:
         """int8's held-out batches and fp32 eager's answers to them (computed once); None for other precisions."""

@@ -27,13 +27,13 @@ def rows(batch, tokenizer) -> list[str]:
 
 
 def test_a_calibration_file_calibrates_on_three_texts_in_four_and_judges_on_the_fourth(task, tmp_path):
-    texts = [f"text number {word} about {topic}" for word, topic in zip(
-        "one two three four five six seven eight".split(), "cats rain bread trains tax songs maps ice".split())]
+    topics = "cats rain bread trains tax songs maps ice".split()
+    texts = [f"text number {number} about {topic}" for number, topic in enumerate(topics)]
     (tmp_path / "calibration.txt").write_text("\n".join(texts[:4] + ["", "   "] + texts[4:]) + "\n", encoding="utf-8")
     read = calibration.read_texts(tmp_path, "calibration.txt")
     assert read == texts  # blank lines are not texts
     found = calibration.from_texts(task, SHAPES, read, "calibration.txt")
-    assert found.source == "calibration.txt: 6 texts, 2 more held out"
+    assert found.source == "calibration.txt: 6 texts, judged also on 2 more held out"
     calibrated = [row for batch in found.batches for row in rows(batch, task.tokenizer)]
     assert sorted(calibrated) == sorted(texts[i] for i in (0, 1, 2, 4, 5, 6))
     assert [tuple(batch["input_ids"].shape) for batch in found.held_out] == SHAPES  # compiled already: no new graph
@@ -63,21 +63,27 @@ def test_a_calibration_file_outside_the_archive_or_missing_fails_the_load(tmp_pa
         calibration.read_texts(archive, "missing.txt")
 
 
-def test_without_a_file_int8_calibrates_on_a_seeded_vocabulary_sample_in_batches_of_one_length(task):
-    """Padding widens static scales, so calibration batches hold texts of about one length; the sample is the
-    same on every load (the same scales, the same gate value), and its held-out texts are others."""
-    first, again = calibration.vocabulary_sample(task, SHAPES), calibration.vocabulary_sample(task, SHAPES)
-    assert first.source.startswith("a sample of the vocabulary's") and "32 texts, 9 more held out" in first.source
-    for one, other in zip([*first.batches, *first.held_out], [*again.batches, *again.held_out], strict=True):
+def test_without_a_file_int8_calibrates_on_the_warmup_and_is_judged_on_a_seeded_vocabulary_sample(task):
+    """The held-out texts are the same on every load (the same gate value), other than the warmup's, and at the
+    warmup shapes, each row as long as the warmup row it stands for."""
+    warmup = task.warmup_batches(SHAPES)
+    first, again = (calibration.held_out_sample(task, SHAPES, warmup) for _ in range(2))
+    assert first.batches == warmup
+    assert first.source.startswith("the warmup batches, judged also on 9 texts of the vocabulary's")
+    for one, other, at in zip(first.held_out, again.held_out, warmup, strict=True):
         assert torch.equal(one["input_ids"], other["input_ids"])
-    assert len(first.batches) == 8 and all(batch["input_ids"].shape[0] == 4 for batch in first.batches)
-    lengths = [int(length) for batch in first.batches for length in batch["attention_mask"].sum(dim=1)]
-    assert lengths == sorted(lengths) and lengths[-1] > 100  # short and long texts, shortest first
-    padding = sum((batch["attention_mask"] == 0).sum().item() for batch in first.batches)
-    assert padding < 0.1 * sum(lengths), padding  # about one length per batch
-    calibrated = {row for batch in first.batches for row in rows(batch, task.tokenizer)}
-    judged = {row for batch in first.held_out for row in rows(batch, task.tokenizer)}
-    assert not {row.split()[0] + row.split()[1] for row in judged} & {row.split()[0] + row.split()[1] for row in calibrated}
+        assert torch.equal(one["attention_mask"], at["attention_mask"])
+    warmup_words = {word for batch in warmup for row in rows(batch, task.tokenizer) for word in row.split()}
+    judged = [word for batch in first.held_out for row in rows(batch, task.tokenizer) for word in row.split()]
+    assert len(set(judged) - warmup_words) > 0.9 * len(set(judged)) > 100
+
+
+def test_calibration_batches_hold_texts_of_about_one_length(task):
+    """Padded rows widen static int8's scales: calibration batches are length-sorted."""
+    texts = [" ".join(["word"] * count) for count in (50, 3, 120, 7, 60, 2, 118, 9)]
+    batches = task.text_batches(texts, 2)
+    assert [batch["attention_mask"].sum(dim=1).tolist() for batch in batches] == [[4, 5], [9, 11], [52, 62],
+                                                                                   [120, 122]]
 
 
 def test_whole_words_take_each_vocabulary_s_word_starts_and_leave_pieces(task):

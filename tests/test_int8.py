@@ -152,8 +152,8 @@ def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir,
     optimization = engine.describe()["optimization"]
     served = assert_raced(optimization, "float32")
     assert (optimization["active"], optimization["dtype"]) == ("compile", served)
-    source = f"{tmp_path / 'calibration.txt'}: 9 texts, 3 more held out" if calibration_file else (
-        "a sample of the vocabulary's")
+    source = f"{tmp_path / 'calibration.txt'}: 9 texts, judged also on 3 more held out" if calibration_file else (
+        "the warmup batches, judged also on")
     assert optimization["int8_calibration"].startswith(f"calibrated on {source}"), optimization["int8_calibration"]
     warmed = len(engine.shapes.warmup_shapes())  # a held-out batch at each warmup shape: nothing new to compile
     assert optimization["int8_calibration"].endswith(f"judged on the {warmed} warmup batches and {warmed} held-out "

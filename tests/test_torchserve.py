@@ -446,9 +446,16 @@ def test_the_int8_archive_serves_int8_where_it_passes_and_pays(server, reference
     profile, tests/test_int8.py checks the reason.)"""
     optimization = registered(server, "minilm-int8", metric="min_cosine")
     tried = optimization["precisions"]["tried_in_order"]
-    if "int8" in tried:  # then raced against the next precision auto picks: the faster serves
-        served = assert_raced(optimization, tried[1])
-        assert accepted_attempt(optimization)["quality"]["threshold"] == (0.99 if served == "int8" else 0.999)
+    if "int8" in tried:  # judged on held-out texts too, then raced against the next precision auto picks
+        assert optimization["int8_calibration"].startswith("calibrated on the warmup batches, judged also on")
+        screen = optimization["attempts"][0]
+        assert (screen["dtype"], screen["screen"]) == ("int8", True) and "held_out" in screen["quality"], screen
+        if screen["status"] == "failed":  # below the gate on the texts it was not calibrated on: auto's serves
+            assert "on held-out batches (calibration never saw them" in screen["reason"], screen
+            assert optimization["dtype"] == tried[1] and "int8 failed the quality gate" in optimization["dtype_reason"]
+        else:  # the faster serves
+            served = assert_raced(optimization, tried[1])
+            assert accepted_attempt(optimization)["quality"]["threshold"] == (0.99 if served == "int8" else 0.999)
     else:
         assert "less int8: " in optimization["precisions"]["reason"], optimization["precisions"]
         assert optimization["dtype"] != "int8"
