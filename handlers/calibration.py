@@ -69,16 +69,15 @@ def held_out_sample(task: Batches, shapes: Sequence[tuple[int, int]], warmup: Se
     words = whole_words(task.tokenizer)
     rng = random.Random(SAMPLE_SEED)
     held_out = [" ".join(rng.choices(words, k=task.max_length)) for _ in range(sum(size for size, _ in shapes))]
-    return Calibration(list(warmup), task.warmup_batches(shapes, held_out),
-                       f"the warmup batches, judged also on {len(held_out)} texts of the vocabulary's {len(words)} "
-                       f"whole words (seed {SAMPLE_SEED})")
+    return Calibration(list(warmup), task.warmup_batches(shapes, held_out), "the warmup batches",
+                       f"{len(held_out)} texts of the vocabulary's {len(words)} whole words (seed {SAMPLE_SEED})")
 
 
 def _calibration(task: Batches, shapes: Sequence[tuple[int, int]], fit: Sequence[str], held_out: Sequence[str],
                  source: str) -> Calibration:
     batch_size = max(size for size, _ in shapes)
     return Calibration(task.text_batches(fit, batch_size), task.warmup_batches(shapes, held_out),
-                       f"{source}: {len(fit)} texts, judged also on {len(held_out)} more held out")
+                       f"{len(fit)} texts of {source}", f"the other {len(held_out)} texts of {source}")
 
 
 def whole_words(tokenizer: Any) -> list[str]:

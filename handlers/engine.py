@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -277,8 +277,8 @@ class Engine:
         else:
             found = calibration.from_texts(self._task, shapes, calibration.read_texts(self.model_root, relative),
                                            relative)
-        return Calibration([self._on_device(batch) for batch in found.batches],
-                           [self._on_device(batch) for batch in found.held_out], found.source)
+        return replace(found, batches=[self._on_device(batch) for batch in found.batches],
+                       held_out=[self._on_device(batch) for batch in found.held_out])
 
     def _on_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: tensor.to(self.device) for name, tensor in batch.items()}

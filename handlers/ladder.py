@@ -69,12 +69,13 @@ class Quality:
 @dataclass(frozen=True)
 class Calibration:
     """What int8 is calibrated on (``batches``) and judged on besides the warmup batches (``held_out``, at the
-    warmup shapes): different texts, so the gate measures int8 on what its calibration did not see. ``source``
-    says where both came from (describe)."""
+    warmup shapes): different texts, so the gate measures int8 on what its calibration did not see. ``source`` and
+    ``held_out_source`` say where each came from (describe)."""
 
     batches: Sequence[Any]
     held_out: Sequence[Any]
     source: str
+    held_out_source: str = ""
 
 
 @dataclass(frozen=True)
@@ -268,9 +269,10 @@ class _Walk:
         if self.calibration is None:
             return None
         held_out = len(self.calibration.held_out)
+        judged = (f" and {held_out} held-out batches of {self.calibration.held_out_source}" if held_out
+                  else ", nothing held out")
         return (f"calibrated on {self.calibration.source} ({len(self.calibration.batches)} batches); judged on the "
-                f"{len(self.batches)} warmup batches" + (f" and {held_out} held-out batches" if held_out else
-                                                         ", nothing held out"))
+                f"{len(self.batches)} warmup batches{judged}")
 
     def _held_out_for(self, dtype: DType) -> tuple[Sequence[Any], Sequence[Any]] | None:
         """int8's held-out batches and fp32 eager's answers to them (computed once); None for other precisions."""

@@ -33,7 +33,8 @@ def test_a_calibration_file_calibrates_on_three_texts_in_four_and_judges_on_the_
     read = calibration.read_texts(tmp_path, "calibration.txt")
     assert read == texts  # blank lines are not texts
     found = calibration.from_texts(task, SHAPES, read, "calibration.txt")
-    assert found.source == "calibration.txt: 6 texts, judged also on 2 more held out"
+    assert found.source == "6 texts of calibration.txt"
+    assert found.held_out_source == "the other 2 texts of calibration.txt"
     calibrated = [row for batch in found.batches for row in rows(batch, task.tokenizer)]
     assert sorted(calibrated) == sorted(texts[i] for i in (0, 1, 2, 4, 5, 6))
     assert [tuple(batch["input_ids"].shape) for batch in found.held_out] == SHAPES  # compiled already: no new graph
@@ -69,7 +70,9 @@ def test_without_a_file_int8_calibrates_on_the_warmup_and_is_judged_on_a_seeded_
     warmup = task.warmup_batches(SHAPES)
     first, again = (calibration.held_out_sample(task, SHAPES, warmup) for _ in range(2))
     assert first.batches == warmup
-    assert first.source.startswith("the warmup batches, judged also on 9 texts of the vocabulary's")
+    assert first.source == "the warmup batches"
+    assert first.held_out_source.startswith("9 texts of the vocabulary's") and first.held_out_source.endswith(
+        "whole words (seed 0)")
     for one, other, at in zip(first.held_out, again.held_out, warmup, strict=True):
         assert torch.equal(one["input_ids"], other["input_ids"])
         assert torch.equal(one["attention_mask"], at["attention_mask"])

@@ -152,12 +152,13 @@ def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir,
     optimization = engine.describe()["optimization"]
     served = assert_raced(optimization, "float32")
     assert (optimization["active"], optimization["dtype"]) == ("compile", served)
-    source = f"{tmp_path / 'calibration.txt'}: 9 texts, judged also on 3 more held out" if calibration_file else (
-        "the warmup batches, judged also on")
-    assert optimization["int8_calibration"].startswith(f"calibrated on {source}"), optimization["int8_calibration"]
     warmed = len(engine.shapes.warmup_shapes())  # a held-out batch at each warmup shape: nothing new to compile
-    assert optimization["int8_calibration"].endswith(f"judged on the {warmed} warmup batches and {warmed} held-out "
-                                                     "batches")
+    path = tmp_path / "calibration.txt"
+    said = (f"calibrated on 9 texts of {path} (5 batches); judged on the {warmed} warmup batches and {warmed} held-out "
+            f"batches of the other 3 texts of {path}") if calibration_file else (
+        f"calibrated on the warmup batches ({warmed} batches); judged on the {warmed} warmup batches and {warmed} "
+        "held-out batches of 6 texts of the vocabulary's")
+    assert optimization["int8_calibration"].startswith(said), optimization["int8_calibration"]
     for attempt in optimization["attempts"][:2]:
         assert attempt["quality"]["metric"] == "min_cosine"
         assert attempt["quality"]["threshold"] == 0.99 <= attempt["quality"]["value"] < 0.9999

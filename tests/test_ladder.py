@@ -577,7 +577,8 @@ def test_int8_is_judged_on_held_out_batches_its_calibration_never_saw(net, batch
     gives both values and what int8 was calibrated on."""
     generator = torch.Generator().manual_seed(2)
     calibration = Calibration([{"x": torch.randn(4, 8, generator=generator)} for _ in range(4)],
-                              [{"x": spread * torch.randn(2, 8, generator=generator)}], "four random batches")
+                              [{"x": spread * torch.randn(2, 8, generator=generator)}], "four random batches",
+                              "other random rows")
     result = run_ladder(net, (DType.INT8, DType.FLOAT32), [SlowIn("compile", DType.FLOAT32, 0), EagerRung()],
                         batches, int8_gate, calibration=calibration)
     screen = result.attempts[0]
@@ -585,7 +586,7 @@ def test_int8_is_judged_on_held_out_batches_its_calibration_never_saw(net, batch
     assert screen.quality.held_out is not None and screen.quality.value == min(screen.quality.held_out,
                                                                                 screen.quality.value)
     assert result.calibration == ("calibrated on four random batches (4 batches); judged on the 2 warmup batches "
-                                  "and 1 held-out batches")
+                                  "and 1 held-out batches of other random rows")
     if spread == 1.0:
         assert screen.status is AttemptStatus.PASSED and screen.quality.held_out >= 0.9
         compiled = result.attempts[1]
