@@ -245,7 +245,7 @@ class SettingsSection(Section):
     """The precisions to try, fastest first. `auto`: `[bfloat16, float32]` on a CPU with AMX or AVX512-BF16 or a GPU
     with bf16 (`[float16, float32]` on one without), `[float32]` on other CPUs. Or one precision (that one only), or a
     list of them, each once, e.g. `[bfloat16, float32]`, which `auto` may end: `[int8, auto]` tries int8, then what
-    `auto` picks. `int8` (static int8 linear layers calibrated on `int8_calibration`, compiled frozen; the layers
+    `auto` picks. `int8` (static int8 linear layers, calibrated: see `int8_calibration`; compiled frozen; the layers
     that narrow and the rest in bf16 where bf16 is tried too, else float32) is opt-in: never chosen by `auto`, and
     left out on a CPU without int8 dot products (VNNI or AMX), where it would not be faster. It is judged on the
     warmup batches and on held-out texts it was not calibrated on; where it passes the gate it serves only if at
@@ -254,8 +254,8 @@ class SettingsSection(Section):
     int8_calibration: StrictStr | None = DEFAULTS.int8_calibration
     """With `int8` in `dtype`: a UTF-8 text file in the archive (relative to it, e.g. `calibration.txt`, packaged
     with `--extra-files`), one text per line, like those the model will be sent; at least 4. int8 is calibrated on
-    all but every 4th line and judged on those. Left out: texts of words sampled from the tokenizer's vocabulary
-    (seeded), 32 to calibrate on and others to judge on."""
+    all but every 4th line and judged on those. Left out: int8 is calibrated on the warmup batches and judged also
+    on texts of words sampled from the tokenizer's vocabulary (seeded)."""
     ladder: Ladder = Field(DEFAULTS.ladder, json_schema_extra={"uniqueItems": True, "minItems": 1})
     """The rungs to try, in order: `compile` (what `pt2.compile` asks for), `safe_compile` (inductor, default mode,
     no custom options), `ipex` (CPU only), `eager`. `eager` always ends the ladder: left out, it is added; listed,
