@@ -14,7 +14,8 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     compile-dynamic-int8-bf16 (the same int8 linears, the layers between them in bf16 instead of fp32),
     pt2e-static-int8[-bf16] (PT2E static quantization: torch.export, torchao's X86InductorQuantizer with per-tensor
     activation scales calibrated on other texts, frozen compile; -bf16 under bf16 autocast, as Intel recommends),
-    pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16: the int8 rung's form,
+    pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16),
+    pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: the int8 rung's form,
     handlers.quantize.static_int8, on this model),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
@@ -80,6 +81,9 @@ VARIANTS = (
     # The FFN's output linear reads GELU's long-tailed activations, which one scale per tensor cannot hold.
     Variant("pt2e-static-int8-bf16-ffn-out", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=r"layer\.\d+\.output\.dense$"),
+    # The value projections too: the int8 rung's form (handlers.quantize.stays_float).
+    Variant("pt2e-static-int8-bf16-ffn-out-value", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=r"(layer\.\d+\.output\.dense|attention\.self\.value)$"),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),

@@ -10,6 +10,8 @@ Calibration sources:
     warmup             the handler's warmup batches (the ladder's default)
     vocabulary         32 texts of the vocabulary's whole words, 8 to 254 words, in length-sorted batches
     vocabulary-padded  the same texts in batches padded to their longest text (why calibration batches are sorted)
+    warmup, values int8  the warmup batches, the attention value projections quantized too (the rung's form before
+                       handlers.quantize.stays_float kept them float)
     file               --calibration FILE as pt2_handlers.int8_calibration reads it (all but every 4th line)
 Judged on: the warmup batches, the ladder's held-out batches (handlers.calibration.held_out_sample), and texts of
 N vocabulary words (N in --words); --texts FILE adds your own.
@@ -56,7 +58,7 @@ def main() -> None:
 
     from handlers import calibration
     from handlers.modeling import load_pretrained
-    from handlers.quantize import static_int8
+    from handlers.quantize import narrows, static_int8
     from handlers.tasks.embeddings import EmbeddingsTask
 
     if args.model_dir is None:
@@ -90,9 +92,12 @@ def main() -> None:
     with torch.inference_mode():
         wanted = {name: [reference(**batch) for batch in batches] for name, batches in judged.items()}
     rows = []
+    forms = {source: None for source in sources}  # None: the rung's own (handlers.quantize.stays_float)
+    sources["warmup, values int8"], forms["warmup, values int8"] = warmup, narrows
     for source, batches in sources.items():
         log(f"calibrating on {source} ({len(batches)} batches)")
-        quantized = static_int8(copy.deepcopy(reference), batches, rest)
+        keep_float = {} if forms[source] is None else {"keep_float": forms[source]}
+        quantized = static_int8(copy.deepcopy(reference), batches, rest, **keep_float)
         row: dict[str, Any] = {"calibration": source}
         with torch.inference_mode():
             for name, judged_batches in judged.items():

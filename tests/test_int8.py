@@ -251,3 +251,29 @@ def test_static_int8_keeps_narrowing_linears_in_float_and_serves_shapes_it_was_n
     assert torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min().item() > 0.99
     with pytest.raises(TypeError, match="warmup batches of named tensors"):
         quantize.static_int8(Net(), [torch.ones(2, 16)])
+
+
+@pytest.mark.torchao
+def test_static_int8_leaves_attention_value_projections_in_float():
+    """A value projection's error reaches every token's attention output unsoftened: it stays float, by its name in
+    BERT, DistilBERT, BART/OPT/Llama or DeBERTa; the query beside it, as wide, gets int8 weights."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self, value_name):
+            super().__init__()
+            torch.manual_seed(0)
+            self.query = torch.nn.Linear(16, 16)
+            setattr(self, value_name, torch.nn.Linear(16, 16))
+            self.value_name = value_name
+
+        def forward(self, x):
+            return self.query(x) * getattr(self, self.value_name)(x)
+
+    generator = torch.Generator().manual_seed(1)
+    examples = [{"x": torch.randn(rows, 5, 16, generator=generator)} for rows in (2, 4)]
+    for value_name in quantize.VALUE_PROJECTIONS:
+        quantized = quantize.static_int8(Attention(value_name).eval(), examples)
+        targets = [str(node.target) for node in quantized.graph.graph.nodes if node.op == "call_function"]
+        assert targets.count("quantized_decomposed.dequantize_per_channel.default") == 1, (value_name, targets)
+    assert not quantize.stays_float("encoder.layer.0.attention.self.query", torch.nn.Linear(16, 16))
+    assert quantize.stays_float("encoder.layer.0.output.dense", torch.nn.Linear(64, 16))
