@@ -59,7 +59,9 @@ def from_texts(task: Batches, shapes: Sequence[tuple[int, int]], texts: Sequence
     """Calibrate on all but every ``HELD_OUT_EVERY``-th text; judge on those, at the warmup ``shapes``."""
     held_out = [text for index, text in enumerate(texts) if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     fit = [text for index, text in enumerate(texts) if index % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    return _calibration(task, shapes, fit, held_out, source)
+    batch_size = max(size for size, _ in shapes)
+    return Calibration(task.text_batches(fit, batch_size), task.warmup_batches(shapes, held_out),
+                       f"{len(fit)} texts of {source}", f"the other {len(held_out)} texts of {source}")
 
 
 def held_out_sample(task: Batches, shapes: Sequence[tuple[int, int]], warmup: Sequence[Any]) -> Calibration:
@@ -71,13 +73,6 @@ def held_out_sample(task: Batches, shapes: Sequence[tuple[int, int]], warmup: Se
     held_out = [" ".join(rng.choices(words, k=task.max_length)) for _ in range(sum(size for size, _ in shapes))]
     return Calibration(list(warmup), task.warmup_batches(shapes, held_out), "the warmup batches",
                        f"{len(held_out)} texts of the vocabulary's {len(words)} whole words (seed {SAMPLE_SEED})")
-
-
-def _calibration(task: Batches, shapes: Sequence[tuple[int, int]], fit: Sequence[str], held_out: Sequence[str],
-                 source: str) -> Calibration:
-    batch_size = max(size for size, _ in shapes)
-    return Calibration(task.text_batches(fit, batch_size), task.warmup_batches(shapes, held_out),
-                       f"{len(fit)} texts of {source}", f"the other {len(held_out)} texts of {source}")
 
 
 def whole_words(tokenizer: Any) -> list[str]:

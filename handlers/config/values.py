@@ -113,7 +113,7 @@ class HandlerSettings:
     too_long: TooLong | None = None  # None: the task's own default (embeddings truncate, the others reject)
     # The precisions the model may serve in, fastest first; (AUTO,) resolves from the hardware at load.
     dtype: tuple[DType, ...] = (DType.AUTO,)
-    int8_calibration: str | None = None  # texts int8 is calibrated on, in the archive; None: a vocabulary sample
+    int8_calibration: str | None = None  # a file of texts in the archive; None: the warmup batches
     ladder: tuple[RungName, ...] = (RungName.COMPILE, RungName.SAFE_COMPILE, RungName.IPEX, RungName.EAGER)
     shapes: ShapePolicy = field(default_factory=ShapePolicy)
     quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
