@@ -88,7 +88,7 @@ class Attempt:
     quality: Quality | None = None
     screen: bool = False  # eager at a half precision, run before that precision's first real attempt
     dynamo: DynamoCounts | None = None  # a compile rung's warmup: graphs, graph breaks, frames given up
-    forward_ms: float | None = None  # raced (int8 and its rival): sum of median ms per warmup batch
+    forward_ms: float | None = None  # raced (int8 and its rival): sum of the fastest ms per warmup batch
 
     def to_json(self) -> dict[str, Any]:
         return {"rung": self.rung, "dtype": self.dtype, "status": self.status.value, "reason": self.reason,
@@ -221,7 +221,7 @@ class _Walk:
         pays = race.pays(ms[0], ms[1])
         winner, loser = (challenger, rival) if pays else (rival, challenger)
         timed = (f"{ms[0]:.2f} ms in {challenger.precision} against {ms[1]:.2f} in {rival.precision} (sum of the "
-                 f"median forward per warmup batch, {len(self.batches)} batches, {race.ROUNDS} rounds)")
+                 f"fastest forward per warmup batch, {len(self.batches)} batches, {race.ROUNDS} rounds)")
         if pays:
             reasons = {winner: f"faster: {timed}", loser: f"passed the gate, but {challenger.precision} was faster "
                                                            f"here: {timed}"}

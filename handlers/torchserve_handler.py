@@ -15,6 +15,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.metrics.dimension import Dimension
@@ -94,7 +95,7 @@ class Pt2Handler(BaseHandler):
         self._counter("Pt2FramesGivenUp", 0)
         self.initialized = True
 
-    def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[str | bytes]:
         if context.get_request_header(0, "describe") == "True":
             return [json.dumps(self.describe_handle())]
         if self.engine is None:
@@ -112,7 +113,7 @@ class Pt2Handler(BaseHandler):
 
         def emit(chunks: dict[int, Any]) -> None:
             """Send each chunk now, as a chunk of its request's HTTP response (gRPC: a stream message)."""
-            lines = {rows[index]: json.dumps(chunk) + "\n" for index, chunk in chunks.items()}
+            lines = {rows[index]: _json(chunk) + b"\n" for index, chunk in chunks.items()}
             for row in lines:
                 context.set_response_content_type(row, JSON_LINES)
             streamed.update(lines)
@@ -181,14 +182,20 @@ def _body(row: dict[str, Any]) -> Any:
     )
 
 
-def _respond(context: Any, index: int, answer: Any, streamed: bool = False) -> str:
+def _respond(context: Any, index: int, answer: Any, streamed: bool = False) -> bytes:
     """The answer (or error) as JSON; a streamed request's last line."""
     context.set_response_content_type(index, JSON_LINES if streamed else JSON)
     if isinstance(answer, HandlerError):
         # The reason phrase is the standard one: the message (which may echo client input) stays in the body.
         context.set_response_status(answer.status, HTTPStatus(answer.status).phrase, index)
-        return json.dumps(answer.to_json())
-    return json.dumps(answer)
+        return _json(answer.to_json())
+    return _json(answer)
+
+
+def _json(value: Any) -> bytes:
+    """An answer as compact JSON. orjson, because json.dumps spent 1.2 ms of the worker's time per batch of eight
+    384-float embeddings (orjson: 0.09 ms); TorchServe sends bytes on as they are."""
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _emit(context: Any, name: str, value: float, unit: str, kind: Any, **dimensions: str) -> None:

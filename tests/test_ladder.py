@@ -13,6 +13,7 @@ import torch
 from handlers.config import CompileSpec, DType, RungName, load_config
 from handlers.dynamo_watch import dynamo_counts
 from handlers.guard import GuardedForward, ShapeNotWarmed, is_refused_recompile
+from handlers import race
 from handlers.ladder import AttemptStatus, Calibration, QualityError, run_ladder
 from handlers.rungs import CompileRung, EagerRung, IpexRung, Rung, build_ladder
 from handlers.ipex import probe_ipex
@@ -343,6 +344,24 @@ def int8_gate(dtype):
     return CosineGate(0.9 if dtype is DType.INT8 else 0.999)
 
 
+def test_a_race_counts_each_forwards_least_disturbed_call():
+    """A neighbour loading beside the worker slows calls at random; the race counts each forward's fastest call,
+    so the forward that is faster on a quiet machine wins though most of its calls were disturbed."""
+    calls = {"fast": 0}
+
+    def fast(_):
+        calls["fast"] += 1
+        time.sleep(0.030 if calls["fast"] % 5 in (1, 2, 3) else 0.002)  # three of each five calls disturbed
+
+    def steady(_):
+        time.sleep(0.008)
+
+    fast_ms, steady_ms = race.forward_ms([fast, steady], [None, None], lambda forward, batch: forward(batch))
+    assert calls["fast"] == 2 * race.ROUNDS
+    assert fast_ms < 2 * 8 <= steady_ms  # a median would have read 2 x 30 ms
+    assert race.pays(fast_ms, steady_ms) and not race.pays(steady_ms, fast_ms)
+
+
 @pytest.mark.torchao
 @pytest.mark.parametrize("slow", [DType.INT8, DType.BFLOAT16])
 def test_int8_that_passes_the_gate_serves_only_where_it_is_faster(net, batches, slow):
@@ -359,7 +378,7 @@ def test_int8_that_passes_the_gate_serves_only_where_it_is_faster(net, batches, 
                         ("eager", "bfloat16", "passed"), ("compile", "bfloat16", statuses["bfloat16"])]
     int8, bf16 = result.attempts[1], result.attempts[3]
     slow_ms, fast_ms = (int8, bf16) if slow is DType.INT8 else (bf16, int8)
-    assert slow_ms.forward_ms >= 10 * len(batches) > fast_ms.forward_ms  # 5 calls each, the median of them
+    assert slow_ms.forward_ms >= 10 * len(batches) > fast_ms.forward_ms  # 5 calls each, the fastest of them
     for attempt in (int8, bf16):
         assert f"{int8.forward_ms:.2f} ms in int8 against {bf16.forward_ms:.2f} in bfloat16" in attempt.reason
     loser = int8 if winner is DType.BFLOAT16 else bf16
