@@ -153,10 +153,12 @@ class Task(ABC):
         return {"input_ids": self.tokenizer.pad_token_id or 0, "attention_mask": 0, "token_type_ids": 0}
 
     def tokenize(self, texts: list[str], **kwargs: Any) -> dict[str, torch.Tensor]:
+        # NumPy arrays, then shared as tensors: return_tensors="pt" builds each tensor from nested lists, a sixth
+        # of the tokenizer's time on a batch of 8 texts of 120 words (2.26 -> 1.90 ms)
         encoded = self.tokenizer(
-            texts, truncation=True, max_length=kwargs.pop("max_length", self.max_length), return_tensors="pt", **kwargs
+            texts, truncation=True, max_length=kwargs.pop("max_length", self.max_length), return_tensors="np", **kwargs
         )
-        return {name: encoded[name] for name in self.tokenizer.model_input_names if name in encoded}
+        return {name: torch.from_numpy(encoded[name]) for name in self.tokenizer.model_input_names if name in encoded}
 
     def warmup_batches(self, shapes: Sequence[tuple[int, int]],
                        texts: Sequence[str] | None = None) -> list[dict[str, torch.Tensor]]:
