@@ -39,12 +39,22 @@ def call(server: tsctl.Server, method: str, path: str, timeout: float = 120) -> 
     return json.loads(body) if body.strip() else None
 
 
+# TorchServe 0.12 answers a synchronous management call (synchronous=true) on a network thread that inference
+# connections share: until the new workers are READY (a compile: tens of seconds), every client whose new connection
+# lands on that thread waits, on every model. So this CLI always asks asynchronously and waits by asking describe.
+
+
 def register(server: tsctl.Server, archive: str, name: str | None = None, workers: int = 1,
              timeout: float = 900) -> Any:
-    query = {"url": archive, "initial_workers": workers, "synchronous": "true"}
+    query = {"url": archive, "initial_workers": workers, "synchronous": "false"}
     if name:
         query["model_name"] = name
-    return call(server, "POST", f"/models?{urlencode(query)}", timeout=timeout)
+    answer = call(server, "POST", f"/models?{urlencode(query)}", timeout=timeout)
+    if not name:  # the archive's own name, from its manifest: TorchServe lists it beside the URL it came from
+        models = call(server, "GET", "/models?limit=10000")["models"]
+        name = next(model["modelName"] for model in models if model["modelUrl"] == archive)
+    tsctl.wait_ready(server, name, timeout, count=workers)
+    return answer
 
 
 # TorchServe 0.12's frontend can answer a scale request with this 500 when a worker changes state while it edits
@@ -55,7 +65,7 @@ SCALE_ATTEMPTS = 3
 
 def scale(server: tsctl.Server, name: str, min_workers: int, max_workers: int, wait: bool = False,
           timeout: float = 900, retry_pause: float = 0.5) -> Any:
-    query = urlencode({"min_worker": min_workers, "max_worker": max_workers, "synchronous": str(wait).lower()})
+    query = urlencode({"min_worker": min_workers, "max_worker": max_workers, "synchronous": "false"})
     for attempt in range(1, SCALE_ATTEMPTS + 1):
         try:
             answer = call(server, "PUT", f"/models/{quote(name)}?{query}", timeout=timeout)
