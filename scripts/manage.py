@@ -52,7 +52,9 @@ def register(server: tsctl.Server, archive: str, name: str | None = None, worker
     answer = call(server, "POST", f"/models?{urlencode(query)}", timeout=timeout)
     if not name:  # the archive's own name, from its manifest: TorchServe lists it beside the URL it came from
         models = call(server, "GET", "/models?limit=10000")["models"]
-        name = next(model["modelName"] for model in models if model["modelUrl"] == archive)
+        name = next((model["modelName"] for model in models if model["modelUrl"] == archive), None)
+        if name is None:
+            raise ManagementError(f"registered {archive}, but TorchServe lists no model from it; pass --name to wait")
     tsctl.wait_ready(server, name, timeout, count=workers)
     return answer
 

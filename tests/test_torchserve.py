@@ -758,7 +758,7 @@ def test_open_inference_requests_are_batched_with_native_ones_and_answered_in_ki
         assert_close_embeddings(vectors, reference(TEXTS[index:index + 2]))
     assert answers[4] == (400, {"error": 'input "text" has shape [2] (2 elements) but 0 in "data"', "code": 400,
                                 "type": "InvalidInput"})
-    status, answer = infer_v2(server, "minilm", bodies[1])  # alone now: the same answer, to bf16's last bits
+    status, answer = infer_v2(server, "minilm", bodies[1])  # alone now: the same answer but for bf16's last bits
     assert status == 200 and {**answer, "outputs": None} == {**answers[1][1], "outputs": None}
     (alone,), (batched,) = answer["outputs"], answers[1][1]["outputs"]
     assert {**alone, "data": None} == {**batched, "data": None}
