@@ -204,6 +204,22 @@ def pids_with_arg(text: str) -> set[int]:
     return pids
 
 
+def apply_settings(data: dict[str, Any], settings: Sequence[str]) -> dict[str, Any]:
+    """``data`` (a parsed model YAML) with each ``key.sub=value`` of ``settings`` set, the value read as YAML."""
+    import yaml
+
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {setting!r}: expected KEY=VALUE")
+        *parents, leaf = key.split(".")
+        node = data
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = yaml.safe_load(value)
+    return data
+
+
 def write_json(path: Path, data: Mapping[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")

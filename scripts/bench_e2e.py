@@ -14,9 +14,10 @@ ports are the shipped ones + --port-shift (default 20000), clear of a dev server
 
 More rows, same load, same run (each gets its own row in the CSV, PNG and table, with its ratio to the baseline):
 
-    --extra-archive NAME=YAML   another archive of the same model directory, packaged with that model YAML and
-                                served by the same TorchServe (repeatable), e.g.
-                                --extra-archive int8=model_configs/minilm-embeddings-int8.yaml
+    --extra-archive NAME=YAML [KEY=VALUE ...]
+                                another archive of the same model directory, packaged with that model YAML (each
+                                KEY=VALUE overriding it, as --set does) and served by the same TorchServe
+                                (repeatable), e.g. --extra-archive int8=model_configs/minilm-embeddings-int8.yaml
     --peers infinity-torch infinity-optimum
                                 the Infinity embedding server (scripts/peers.py) on the same directory, 127.0.0.1,
                                 mean pooling, batch size 32, from its own venv (scripts/setup.sh --profile infinity,
@@ -24,7 +25,7 @@ More rows, same load, same run (each gets its own row in the CSV, PNG and table,
                                 first and a peer below min cosine 0.99 is refused (no row)
 
     .venv/bin/python scripts/bench_e2e.py [--requests 200] [--concurrency 1 4 16] [--workloads uniform mixed] \
-        [--peers infinity-torch infinity-optimum] [--extra-archive NAME=YAML ...]
+        [--peers infinity-torch infinity-optimum] [--extra-archive NAME=YAML [KEY=VALUE ...] ...]
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ from urllib.parse import urlsplit
 import package
 import peers
 import tsctl
-from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, pids_with_arg, run_header, summarize,
-                          write_csv, write_json, write_plot)
+from bench_common import (DEFAULT_OUT, REPO, OtherCpu, apply_settings, log, markdown_table, pids_with_arg, run_header,
+                          summarize, write_csv, write_json, write_plot)
 
 OURS, BASELINE = "minilm", "baseline"
 MODELS = (OURS, BASELINE)  # always served; --extra-archive adds archives, --peers adds other servers
@@ -84,15 +85,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "e2e",
                         help="output stem: writes STEM.csv, .png, .md, .json (default bench_results/e2e)")
-    parser.add_argument("--extra-archive", action="append", default=[], type=extra_archive, metavar="NAME=YAML",
-                        help="also package the model with this YAML as archive NAME and time it (repeatable)")
+    parser.add_argument("--extra-archive", action="append", default=[], nargs="+", metavar="NAME=YAML [KEY=VALUE]",
+                        help="also package the model with this YAML as archive NAME and time it (repeatable); "
+                             "KEY=VALUE pairs after it override that YAML as --set does, e.g. --extra-archive "
+                             "py=model_configs/minilm-embeddings-int8.yaml pt2_handlers.cpp_wrapper=false")
     parser.add_argument("--peers", nargs="+", default=[], choices=peers.PEERS,
                         help="also time these servers on the same model directory (scripts/peers.py)")
     parser.add_argument("--peer-batch-size", type=int, default=32, help="the peers' --batch-size")
     parser.add_argument("--peer-timeout", type=float, default=600,
                         help="seconds a peer may take to answer /health (and its ONNX export)")
     args = parser.parse_args()
-    names = [name for name, _ in args.extra_archive]
+    try:
+        args.extra_archive = [(*extra_archive(first), tuple(settings)) for first, *settings in args.extra_archive]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--extra-archive: {exc}")
+    names = [name for name, _, _ in args.extra_archive]
     if len(set(names)) != len(names) or set(names) & {OURS, BASELINE, *peers.PEERS}:
         parser.error(f"--extra-archive names must be unique and not {OURS}, {BASELINE} or a peer: {names}")
     return args
@@ -109,25 +116,17 @@ def extra_archive(value: str) -> tuple[str, Path]:
 SHARED_KEYS = ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay")  # what makes it a fair comparison
 
 
-def overridden_config(config: Path, settings: Sequence[str], work: Path) -> Path:
-    """``config`` with each ``key.sub=value`` (value read as YAML) applied; ``config`` itself if none."""
+def overridden_config(config: Path, settings: Sequence[str], work: Path, name: str = OURS) -> Path:
+    """``config`` with each ``key.sub=value`` (value read as YAML) applied, written as ``work/NAME.yaml``;
+    ``config`` itself if none."""
     import yaml
 
     if not settings:
         return config
-    data = yaml.safe_load(config.read_text())
-    for setting in settings:
-        key, sep, value = setting.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {setting!r}: expected KEY=VALUE")
-        *parents, leaf = key.split(".")
-        node = data
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = yaml.safe_load(value)
-    path = work / "minilm.yaml"
+    data = apply_settings(yaml.safe_load(config.read_text()), settings)
+    path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    log(f"model YAML: {config} with {' '.join(settings)}")
+    log(f"model YAML of {name}: {config} with {' '.join(settings)}")
     return path
 
 
@@ -351,7 +350,7 @@ def print_describe(meta: dict[str, Any], model: str = OURS) -> None:
 
 def archive_names(args: argparse.Namespace) -> list[str]:
     """Every archive TorchServe serves here, ours first and the baseline last."""
-    return [OURS, *(name for name, _ in args.extra_archive), BASELINE]
+    return [OURS, *(name for name, _, _ in args.extra_archive), BASELINE]
 
 
 def untimed_texts(words: Sequence[str], args: argparse.Namespace) -> tuple[list[str], list[str], random.Random]:
@@ -458,7 +457,7 @@ def _or_dash(value: Any) -> Any:
 def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl.Server:
     store = work / "model_store"
     package.build(OURS, model_dir, args.config.resolve(), store)
-    for name, config in args.extra_archive:
+    for name, config, _ in args.extra_archive:
         package.build(name, model_dir, config, store)
     package_baseline(model_dir, store, baseline_yaml(args.config, work))
     if args.cold_cache:
@@ -513,10 +512,12 @@ def main() -> None:
     model_dir = package.default_model_dir()
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     args.config = overridden_config(args.config, args.set, work)
+    args.extra_archive = [(name, overridden_config(config, settings, work, name), settings)
+                          for name, config, settings in args.extra_archive]
     header = run_header(args, {"work_dir": str(work), "model_yaml": yaml.safe_load(args.config.read_text()),
                                "baseline_yaml": yaml.safe_load(baseline_yaml(args.config, work).read_text()),
                                "extra_archive_yaml": {name: yaml.safe_load(config.read_text())
-                                                      for name, config in args.extra_archive}})
+                                                      for name, config, _ in args.extra_archive}})
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     started_peers: list[peers.InfinityPeer] = []
     try:

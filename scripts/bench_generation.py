@@ -13,7 +13,8 @@ timed where a client would see it:
 Workloads: ``b1`` (one request) and ``b4`` (four requests of different prompt lengths in one batch; tokens/s
 counts every row's tokens). ``--new-tokens`` per request (default 64).
 
-    .venv/bin/python scripts/bench_generation.py [--rounds 10] [--new-tokens 64] [--cache-dir .cache/inductor]
+    .venv/bin/python scripts/bench_generation.py [--rounds 10] [--new-tokens 64] [--cache-dir .cache/inductor] \
+        [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import (DEFAULT_OUT, REPO, log, markdown_table, run_header, summarize, write_csv, write_json,
-                          write_plot)
+from bench_common import (DEFAULT_OUT, REPO, apply_settings, log, markdown_table, run_header, summarize, write_csv,
+                          write_json, write_plot)
 
 PROMPTS = ["Serving compiled models in production", "The quick brown fox", "A longer prompt about the latency "
            "of every request that a server answers while it batches", "Tea"]
 
 
-def load_engine(eager: bool, model_dirs: Path) -> tuple[Any, float]:
+def load_engine(eager: bool, model_dirs: Path, settings: Sequence[str] = ()) -> tuple[Any, float]:
     import torch
     import yaml
 
@@ -48,6 +50,8 @@ def load_engine(eager: bool, model_dirs: Path) -> tuple[Any, float]:
     raw["pt2_handlers"]["model_dir"] = str(make_test_models.build("tiny-llama", model_dirs))
     if eager:
         raw["pt2_handlers"]["ladder"] = ["eager"]
+    else:
+        apply_settings(raw, settings)
     started = time.perf_counter()
     engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), "eager" if eager else "compiled")
     engine.load()
@@ -81,13 +85,15 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=REPO / ".cache" / "test-models")
     parser.add_argument("--cache-dir", type=Path, help="inductor cache dir (default: a new empty one = cold)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "generation")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override the compiled engine's model YAML, e.g. pt2_handlers.cpp_wrapper=true")
     args = parser.parse_args()
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-generation-inductor-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # before torch imports inductor
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(REPO))
     header = run_header(args, {"inductor_cache": str(cache)})
-    compiled, compiled_load = load_engine(eager=False, model_dirs=args.models)
+    compiled, compiled_load = load_engine(eager=False, model_dirs=args.models, settings=args.set)
     eager, eager_load = load_engine(eager=True, model_dirs=args.models)
     log(f"compiled READY in {compiled_load:.1f}s on rung {compiled.active_rung}; eager in {eager_load:.1f}s")
     engines = {"eager": eager, "compiled": compiled}

@@ -60,6 +60,7 @@ class Variant:
     dynamic: bool | None = None
     freezing: bool = False
     float_linears: str | None = None  # pt2e: a regex of linear layers left unquantized
+    cpp_wrapper: bool = False  # inductor's C++ wrapper (pt2_handlers.cpp_wrapper)
 
 
 VARIANTS = (
@@ -70,6 +71,7 @@ VARIANTS = (
     Variant("compile-static-fp32-frozen", "compile", "float32", dynamic=False, freezing=True),
     Variant("compile-dynamic-bf16", "compile", "bfloat16", dynamic=True),
     Variant("compile-dynamic-bf16-frozen", "compile", "bfloat16", dynamic=True, freezing=True),
+    Variant("compile-dynamic-bf16-cpp", "compile", "bfloat16", dynamic=True, cpp_wrapper=True),
     Variant("compile-static-bf16-frozen", "compile", "bfloat16", dynamic=False, freezing=True),
     Variant("compile-dynamic-int8", "compile", "int8", dynamic=True),
     Variant("compile-dynamic-int8-frozen", "compile", "int8", dynamic=True, freezing=True),
@@ -84,6 +86,9 @@ VARIANTS = (
     # The value projections too: the int8 rung's form (handlers.quantize.stays_float).
     Variant("pt2e-static-int8-bf16-ffn-out-value", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=r"(layer\.\d+\.output\.dense|attention\.self\.value)$"),
+    # ... with inductor's C++ wrapper: the int8 archive as it ships (model_configs/minilm-embeddings-int8.yaml).
+    Variant("pt2e-static-int8-bf16-ffn-out-value-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=r"(layer\.\d+\.output\.dense|attention\.self\.value)$", cpp_wrapper=True),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),
@@ -168,7 +173,8 @@ def compile_as_rung(module: Any, variant: Variant) -> Any:
     from handlers.config import CompileSpec, DType
     from handlers.rungs import CompileRung
 
-    spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing)
+    spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing,
+                       cpp_wrapper=variant.cpp_wrapper)
     return CompileRung("compile", spec).apply(module, DType.FLOAT32)
 
 

@@ -226,6 +226,23 @@ def test_freezing_makes_the_weights_constants_of_the_compiled_graph(freezing, ne
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("cpp_wrapper", [True, False])
+def test_cpp_wrapper_calls_the_kernels_from_cpp(cpp_wrapper, net, batches):
+    """``cpp_wrapper: true`` must reach inductor: the graph it generates is then C++ (an ``inductor_entry_impl``
+    that calls the kernels), not a Python ``call`` function; the answers stay those of the model."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    rung = CompileRung("compile", CompileSpec(enabled=True, backend="inductor", dynamic=False, cpp_wrapper=cpp_wrapper))
+    forward = rung.apply(net, DType.FLOAT32)
+    x = batches[0]["x"]
+    with torch.inference_mode(), rung.warmup_context(1):
+        out, code = run_and_get_code(forward, x=x)
+    torch.testing.assert_close(out, net(x))
+    assert any("inductor_entry_impl" in source for source in code) is cpp_wrapper
+    torch._dynamo.reset()
+
+
 def test_ipex_is_cpu_only():
     rung = IpexRung(torch.device("cuda", 0))
     assert rung.unavailable_reason() == "IPEX runs on CPU only; this worker uses cuda:0"
