@@ -217,11 +217,13 @@ class _Walk:
         """Race two accepted steps of one rung on the warmup batches; record both times; the challenger (int8)
         serves only if it pays (``race.MIN_GAIN``). The loser's forward is dropped."""
         started = time.perf_counter()
-        ms = race.forward_ms([self.forwards[challenger], self.forwards[rival]], self.batches, self.run)
+        raced = race.run_race([self.forwards[challenger], self.forwards[rival]], self.batches, self.run)
+        ms = raced.ms
         pays = race.pays(ms[0], ms[1])
         winner, loser = (challenger, rival) if pays else (rival, challenger)
         timed = (f"{ms[0]:.2f} ms in {challenger.precision} against {ms[1]:.2f} in {rival.precision} (sum of the "
-                 f"fastest forward per warmup batch, {len(self.batches)} batches, {race.ROUNDS} rounds)")
+                 f"fastest forward per warmup batch, {len(self.batches)} batches, {race.ROUNDS} rounds, "
+                 f"{raced.describe()})")
         if pays:
             reasons = {winner: f"faster: {timed}", loser: f"passed the gate, but {challenger.precision} was faster "
                                                            f"here: {timed}"}
@@ -237,8 +239,9 @@ class _Walk:
         del self.forwards[loser]
         if loser.precision != plan.REFERENCE_PRECISION:  # the reference model serves the eager fallback
             self._models.pop(DType(loser.precision), None)
-        logger.info("raced %s (%s) against %s on %s: %s; %s serves, in %.1fs", challenger.precision,
-                    challenger.rung, rival.precision, rival.rung, timed, winner.precision, _since(started))
+        log = logger.warning if raced.disturbed else logger.info
+        log("raced %s (%s) against %s on %s: %s; %s serves, in %.1fs", challenger.precision,
+            challenger.rung, rival.precision, rival.rung, timed, winner.precision, _since(started))
         return winner
 
     def _screen(self, dtype: DType) -> plan.Outcome:

@@ -60,7 +60,7 @@ class Variant:
     dynamic: bool | None = None
     freezing: bool = False
     float_linears: str | None = None  # pt2e: a regex of linear layers left unquantized
-    cpp_wrapper: bool = False  # inductor's C++ wrapper (pt2_handlers.cpp_wrapper)
+    cpp_wrapper: bool = False  # inductor's C++ wrapper (pt2.compile.options.cpp_wrapper)
 
 
 VARIANTS = (
@@ -174,7 +174,7 @@ def compile_as_rung(module: Any, variant: Variant) -> Any:
     from handlers.rungs import CompileRung
 
     spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing,
-                       cpp_wrapper=variant.cpp_wrapper)
+                       options={"cpp_wrapper": True} if variant.cpp_wrapper else None)
     return CompileRung("compile", spec).apply(module, DType.FLOAT32)
 
 

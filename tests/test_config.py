@@ -233,8 +233,7 @@ def test_settings_section_with_every_key():
         "task": "embeddings", "model_dir": "weights", "max_length": 128, "dtype": "bfloat16",
         "ladder": ["safe_compile", "eager"], "shapes": {"policy": "buckets", "batch_sizes": [1, 8],
                                                        "seq_lengths": [32], "after_ready": "fail"},
-        "quality_gate": {"min_cosine": 0.99, "min_cosine_half": 0.98}, "freezing": False, "cpp_wrapper": True,
-        "threads": 3,
+        "quality_gate": {"min_cosine": 0.99, "min_cosine_half": 0.98}, "freezing": False, "threads": 3,
         "compile_cache": "/srv/cache", "max_runtime_failures": 5, "max_inputs_per_request": 8,
         "too_long": "reject",
     }}).settings
@@ -245,8 +244,7 @@ def test_settings_section_with_every_key():
     assert settings.shapes == ShapePolicy(PolicyKind.BUCKETS, (1, 8), (32,), AfterReady.FAIL)
     assert settings.shapes.warmup_shapes() == [(1, 32), (8, 32)]
     assert dict(settings.quality_gate) == {"min_cosine": 0.99, "min_cosine_half": 0.98}
-    assert (settings.freezing, settings.cpp_wrapper, settings.threads) == (False, True, 3)
-    assert settings.compile_cache == "/srv/cache"
+    assert (settings.freezing, settings.threads, settings.compile_cache) == (False, 3, "/srv/cache")
     assert (settings.max_runtime_failures, settings.max_inputs_per_request) == (5, 8)
 
 
@@ -263,7 +261,6 @@ def test_defaults_are_the_cpu_fast_path():
     settings = HandlerSettings()
     # freezing is off unless the YAML asks: faster forwards, slower warm starts
     assert settings.dtype == (DType.AUTO,) and not settings.freezing and settings.threads is None
-    assert not settings.cpp_wrapper  # the shipped model YAMLs ask for it where it was measured
     assert settings.shapes.after_ready is AfterReady.EAGER
     assert load_config({"pt2_handlers": {"threads": "auto"}}).settings.threads is None
 
@@ -283,21 +280,6 @@ def test_served_compile_adds_freezing_and_spells_the_mode_as_options():
     assert unfrozen["mode"] == "reduce-overhead" and "options" not in unfrozen
     eager_backend = load_config({"pt2": {"compile": {"enable": True, "backend": "eager"}}}).served_compile
     assert eager_backend.freezing is False  # freezing is an inductor pass
-
-
-def test_cpp_wrapper_is_an_inductor_option_that_the_safer_compile_drops():
-    config = load_config({"pt2": {"compile": {"enable": True, "mode": "reduce-overhead"}},
-                          "pt2_handlers": {"cpp_wrapper": True}})
-    kwargs = config.served_compile.kwargs()
-    assert "mode" not in kwargs and kwargs["options"]["cpp_wrapper"] is True
-    assert "freezing" not in kwargs["options"] and kwargs["options"]["triton.cudagraphs"] is True
-    assert config.served_compile.describe()["cpp_wrapper"] is True
-    assert config.served_compile.safer().cpp_wrapper is False
-    eager_backend = load_config({"pt2": {"compile": {"enable": True, "backend": "eager"}},
-                                 "pt2_handlers": {"cpp_wrapper": True}}).served_compile
-    assert eager_backend.cpp_wrapper is False and "options" not in eager_backend.kwargs()
-    with pytest.raises(ConfigError, match="cpp_wrapper"):
-        load_config({"pt2_handlers": {"cpp_wrapper": "yes"}})
 
 
 @pytest.mark.parametrize(("features", "precisions", "said"), [

@@ -449,6 +449,7 @@ def test_the_int8_archive_serves_int8_where_it_passes_and_pays(server, reference
     On other CPUs describe says why int8 is left out and auto's precisions serve. (Without torchao, the ipex
     profile, tests/test_int8.py checks the reason.)"""
     optimization = registered(server, "minilm-int8", metric="min_cosine")
+    assert optimization["requested_compile"]["options"] == {"cpp_wrapper": True}  # its int8 graph's short kernels
     tried = optimization["precisions"]["tried_in_order"]
     if "int8" in tried:  # judged on held-out texts too, then raced against the next precision auto picks
         assert optimization["int8_calibration"].startswith("calibrated on the warmup batches (")

@@ -72,8 +72,7 @@ def _settings(section: SettingsSection, compile_dynamic: bool | None) -> Handler
         task=section.task, model_dir=section.model_dir, max_length=section.max_length, too_long=section.too_long,
         dtype=section.dtype, int8_calibration=section.int8_calibration, ladder=section.ladder,
         shapes=shape_policy(section.shapes, TASK_FACTS[section.task].default_shapes, compile_dynamic),
-        quality_gate=section.quality_gate, freezing=section.freezing, cpp_wrapper=section.cpp_wrapper,
-        threads=section.threads,
+        quality_gate=section.quality_gate, freezing=section.freezing, threads=section.threads,
         compile_cache=section.compile_cache, max_runtime_failures=section.max_runtime_failures,
         max_inputs_per_request=section.max_inputs_per_request,
     )

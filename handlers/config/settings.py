@@ -270,9 +270,6 @@ class SettingsSection(Section):
     """Inductor freezing (weights as constants, prepacked). Measured on CPU: bf16 forwards 16-22 % faster, but
     a warm start takes twice as long (the FX graph and AOT-autograd caches are bypassed). Off unless the model YAML
     asks."""
-    cpp_wrapper: StrictBool = DEFAULTS.cpp_wrapper
-    """Inductor's C++ wrapper: the compiled graph calls its kernels from generated C++ rather than Python, which
-    saves time on every forward, most on short ones. Off unless the model YAML asks."""
     threads: Threads = Field(DEFAULTS.threads, json_schema_extra={"default": "auto"})
     """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it, else the usable cores (CPU
     affinity, capped by the container's CPU limit) divided by `minWorkers`."""

@@ -58,7 +58,6 @@ class CompileSpec:
     fullgraph: bool = False
     options: Mapping[str, Any] | None = None
     freezing: bool = False  # inductor only: weights become constants, prepacked for the CPU kernels
-    cpp_wrapper: bool = False  # inductor only: the graph's kernels called from generated C++, not Python
     # dynamic only: size-1 dims stay symbolic (size-oblivious), so batch 1 shares the one graph. Measured:
     # half the cold compile and warm restart of two graphs, same speed.
     one_graph: bool = False
@@ -68,13 +67,11 @@ class CompileSpec:
         kwargs: dict[str, Any] = {
             "backend": resolve_backend(self.backend), "fullgraph": self.fullgraph, "dynamic": self.dynamic,
         }
-        flags = {name: True for name in ("freezing", "cpp_wrapper") if getattr(self, name)}
-        if flags and self.backend == "inductor":
-            # torch.compile takes mode or options, not both: spell the mode out as its options. The freezing option
-            # alone does not freeze: the compile rung also sets inductor's global flag while dynamo traces
-            # (handlers.rungs).
+        if self.freezing and self.backend == "inductor":
+            # torch.compile takes mode or options, not both: spell the mode out as its options. The option alone
+            # does not freeze: the compile rung also sets inductor's global flag while dynamo traces (handlers.rungs).
             mode_options = torch._inductor.list_mode_options(self.mode, self.dynamic) if self.mode else {}
-            kwargs["options"] = {**mode_options, **(self.options or {}), **flags}
+            kwargs["options"] = {**mode_options, **(self.options or {}), "freezing": True}
         elif self.mode is not None:
             kwargs["mode"] = self.mode
         elif self.options is not None:
@@ -85,15 +82,13 @@ class CompileSpec:
     def uses_cuda_graphs(self) -> bool:
         return self.mode in ("reduce-overhead", "max-autotune") or bool((self.options or {}).get("triton.cudagraphs"))
 
-    def with_shapes(self, dynamic: bool, freezing: bool, cpp_wrapper: bool = False) -> CompileSpec:
+    def with_shapes(self, dynamic: bool, freezing: bool) -> CompileSpec:
         """This compile as the shape policy and the CPU fast path run it."""
-        inductor = self.backend == "inductor"
-        return replace(self, dynamic=dynamic, freezing=freezing and inductor, cpp_wrapper=cpp_wrapper and inductor,
-                       one_graph=dynamic)
+        return replace(self, dynamic=dynamic, freezing=freezing and self.backend == "inductor", one_graph=dynamic)
 
     def safer(self) -> CompileSpec:
-        """The fallback compile: inductor in default mode, no freezing, C++ wrapper or custom options, graph breaks
-        allowed, torch's own size-1 specialization."""
+        """The fallback compile: inductor in default mode, no freezing or custom options, graph breaks allowed,
+        torch's own size-1 specialization."""
         return CompileSpec(enabled=self.enabled, backend="inductor", dynamic=self.dynamic)
 
     def describe(self) -> dict[str, Any]:
@@ -104,7 +99,6 @@ class CompileSpec:
             "fullgraph": self.fullgraph,
             "options": dict(self.options) if self.options is not None else None,
             "freezing": self.freezing,
-            "cpp_wrapper": self.cpp_wrapper,
             "one_graph": self.one_graph,
         }
 
@@ -124,7 +118,6 @@ class HandlerSettings:
     shapes: ShapePolicy = field(default_factory=ShapePolicy)
     quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     freezing: bool = False  # faster forwards, slower warm restarts: the model YAML chooses
-    cpp_wrapper: bool = False  # less time per call between kernels; the model YAML chooses
     threads: int | None = None  # None: the cores shared among minWorkers workers
     compile_cache: str | None = None  # None: TORCHINDUCTOR_CACHE_DIR, else torch's default
     max_runtime_failures: int = 3
@@ -140,8 +133,8 @@ class HandlerConfig:
 
     @property
     def served_compile(self) -> CompileSpec:
-        """The requested compile with the shape policy's dynamism and the fast path's freezing and C++ wrapper."""
-        return self.compile.with_shapes(self.settings.shapes.dynamic, self.settings.freezing, self.settings.cpp_wrapper)
+        """The requested compile with the shape policy's dynamism and the fast path's freezing."""
+        return self.compile.with_shapes(self.settings.shapes.dynamic, self.settings.freezing)
 
 
 def resolve_backend(name: str) -> str | Callable[..., Any]:
