@@ -26,7 +26,7 @@ MIN_GAIN = 0.05
 # after a pause, for up to PATIENCE_S: a neighbour that keeps the cores busy throughout (another worker compiling
 # at load) slows OpenMP kernels by different amounts, more for the graph with more kernels, so the fastest call
 # no longer tells. Measured (CPU C): int8 263 ms against bf16 249 while the neighbours compiled, 101 against 113
-# on a quiet machine. A quiet race waits ~1 % of its time, one with a busy neighbour ~90 %.
+# for the same model at a quieter moment. A quiet race waits ~1 % of its time, one with a busy neighbour ~90 %.
 MAX_WAIT_SHARE = 0.05
 PATIENCE_S = 30.0
 PAUSE_S = 2.0
