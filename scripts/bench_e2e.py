@@ -88,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--extra-archive", action="append", default=[], nargs="+", metavar="NAME=YAML [KEY=VALUE]",
                         help="also package the model with this YAML as archive NAME and time it (repeatable); "
                              "KEY=VALUE pairs after it override that YAML as --set does, e.g. --extra-archive "
-                             "py=model_configs/minilm-embeddings-int8.yaml pt2_handlers.cpp_wrapper=false")
+                             "py=model_configs/minilm-embeddings-int8.yaml 'pt2.compile.options={}'")
     parser.add_argument("--peers", nargs="+", default=[], choices=peers.PEERS,
                         help="also time these servers on the same model directory (scripts/peers.py)")
     parser.add_argument("--peer-batch-size", type=int, default=32, help="the peers' --batch-size")

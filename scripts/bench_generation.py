@@ -86,7 +86,8 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, help="inductor cache dir (default: a new empty one = cold)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "generation")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="override the compiled engine's model YAML, e.g. pt2_handlers.cpp_wrapper=true")
+                        help="override the compiled engine's model YAML, e.g. 'pt2.compile.options={}' "
+                             "(no C++ wrapper)")
     args = parser.parse_args()
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-generation-inductor-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # before torch imports inductor
