@@ -22,12 +22,16 @@ import torch
 ROUNDS = 5
 # How much faster the challenger must be to serve: within noise, the precision with the better answers wins.
 MIN_GAIN = 0.05
-# A race during which this process's threads waited for a CPU longer than this share of its time is run again,
-# after a pause, for up to PATIENCE_S: a neighbour that keeps the cores busy throughout (another worker compiling
-# at load) slows OpenMP kernels by different amounts, more for the graph with more kernels, so the fastest call
-# no longer tells. Measured (CPU C): int8 263 ms against bf16 249 while the neighbours compiled, 101 against 113
-# for the same model at a quieter moment. A quiet race waits ~1 % of its time, one with a busy neighbour ~90 %.
+# A race during which this process's threads waited for a CPU longer than MAX_WAIT_SHARE of its time while other
+# processes used more than MIN_OTHER_SHARE of the cores it may run on is run again, after a pause, for up to
+# PATIENCE_S: a neighbour that keeps the cores busy throughout (another worker compiling at load) slows OpenMP
+# kernels by different amounts, more for the graph with more kernels, so the fastest call no longer tells.
+# Measured (CPU C): int8 263 ms against bf16 249 while the neighbours compiled, 101 against 113 for the same model
+# at a quieter moment. Both signals, because each alone misleads: this process's own threads wait for each other
+# (torch's OpenMP threads spin beside the main thread: 30 % of a quiet race), and on a big host other tenants' load
+# rarely takes the cores this process runs on.
 MAX_WAIT_SHARE = 0.05
+MIN_OTHER_SHARE = 0.10
 PATIENCE_S = 30.0
 PAUSE_S = 2.0
 
@@ -36,42 +40,85 @@ PAUSE_S = 2.0
 class Race:
     ms: list[float]  # per forward: the sum over the batches of its fastest call, over every try
     tries: int
-    wait_share: float | None  # the quietest try's CPU wait / its time; None where the kernel does not say
+    # The quietest try: the share of its time this process's threads waited for a CPU, and the share of the
+    # cores it may run on that other processes used; None where the kernel does not say.
+    wait_share: float | None = None
+    other_share: float | None = None
 
     @property
     def disturbed(self) -> bool:
-        return self.wait_share is not None and self.wait_share > MAX_WAIT_SHARE
+        return _busy(self.wait_share, self.other_share)
 
     def describe(self) -> str:
         """What the times were measured under, for the attempts' reasons."""
         said = f"{self.tries} {'try' if self.tries == 1 else 'tries'}"
         if self.disturbed:
-            said += (f"; other processes kept this worker waiting for a CPU {self.wait_share:.0%} of the quietest "
-                     f"try, so the times are unreliable")
+            said += (f"; other processes used {self.other_share:.0%} of this worker's cores and kept it waiting for "
+                     f"a CPU {self.wait_share:.0%} of the quietest try, so the times are unreliable")
         return said
+
+
+def _busy(wait_share: float | None, other_share: float | None) -> bool:
+    return (wait_share is not None and other_share is not None
+            and wait_share > MAX_WAIT_SHARE and other_share > MIN_OTHER_SHARE)
 
 
 def run_race(forwards: Sequence[Any], batches: Sequence[Any], run: Callable[[Any, Any], Any],
              rounds: int = ROUNDS, waited: Callable[[], float | None] | None = None,
-             patience_s: float = PATIENCE_S, pause_s: float = PAUSE_S,
-             sleep: Callable[[float], None] = time.sleep) -> Race:
-    """``forward_ms`` until a try runs on a quiet machine (its threads waited for a CPU at most
-    ``MAX_WAIT_SHARE`` of its time) or ``patience_s`` is spent; each forward counts its fastest call of every try.
-    ``waited()``: seconds this process has waited for a CPU so far (default: the kernel's schedstat)."""
-    waited = waited or runqueue_wait_s
+             others: Callable[[], float | None] | None = None, patience_s: float = PATIENCE_S,
+             pause_s: float = PAUSE_S, sleep: Callable[[float], None] = time.sleep) -> Race:
+    """``forward_ms`` until a try runs on a quiet machine or ``patience_s`` is spent; each forward counts its
+    fastest call of every try. A try is disturbed when this process's threads waited for a CPU more than
+    ``MAX_WAIT_SHARE`` of its time while other processes used more than ``MIN_OTHER_SHARE`` of its cores.
+    ``waited()``: seconds this process has waited for a CPU so far; ``others()``: CPU seconds other processes have
+    used on its cores so far (defaults: the kernel's counters)."""
+    waited, others = waited or runqueue_wait_s, others or other_cpu_s
+    cores = _core_count()
     times: list[list[list[float]]] = [[[] for _ in batches] for _ in forwards]
     deadline = time.monotonic() + patience_s
-    tries, quietest = 0, None
+    tries, quietest = 0, (0.0, 0.0)
     while True:
         tries += 1
-        wait_before, started = waited(), time.perf_counter()
+        before, started = (waited(), others()), time.perf_counter()
         _timed_rounds(forwards, batches, run, rounds, times)
-        wait_after, seconds = waited(), time.perf_counter() - started
-        share = None if wait_before is None or wait_after is None else (wait_after - wait_before) / max(seconds, 1e-9)
-        quietest = share if quietest is None or (share is not None and share < quietest) else quietest
-        if share is None or share <= MAX_WAIT_SHARE or time.monotonic() + pause_s > deadline:
-            return Race(_fastest(times), tries, quietest)
+        after, seconds = (waited(), others()), max(time.perf_counter() - started, 1e-9)
+        shares = tuple(None if a is None or b is None else (a - b) / seconds / scale
+                       for a, b, scale in zip(after, before, (1, cores), strict=True))
+        if not _busy(*shares):
+            return Race(_fastest(times), tries, *shares)
+        if tries == 1 or shares[1] < quietest[1]:  # busy, so both shares are known
+            quietest = shares
+        if time.monotonic() + pause_s > deadline:
+            return Race(_fastest(times), tries, *quietest)
         sleep(pause_s)
+
+
+def _core_count() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def other_cpu_s() -> float | None:
+    """CPU seconds that other processes have used on the cores this process may run on: those cores' busy time
+    (Linux ``/proc/stat``) less this process's own (``/proc/self/stat``); None where either is not available."""
+    try:
+        cores = os.sched_getaffinity(0)
+        with open("/proc/stat") as stats:
+            lines = stats.read().splitlines()
+        with open("/proc/self/stat") as stat:
+            own = stat.read().rpartition(")")[2].split()  # fields from the 3rd on: the name may hold spaces
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (AttributeError, OSError, ValueError):
+        return None
+    busy = 0
+    for line in lines:
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores and len(values) >= 8:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(value) for value in values[:8])
+            busy += user + nice + system + irq + softirq + steal
+    return (busy - int(own[11]) - int(own[12])) / ticks  # utime and stime, the 14th and 15th fields
 
 
 def runqueue_wait_s() -> float | None:
