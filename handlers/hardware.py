@@ -129,12 +129,14 @@ def resolve_precisions(requested: Sequence[DType], device: torch.device,
 def _auto_precisions(device: torch.device, features: Mapping[str, bool]) -> Choice:
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
-            return Choice((DType.BFLOAT16, DType.FLOAT32), "auto: the GPU has bf16; fp32 where bf16 fails the gate")
-        return Choice((DType.FLOAT16, DType.FLOAT32), "auto: the GPU has no bf16; fp16, fp32 where it fails the gate")
+            return Choice((DType.BFLOAT16, DType.FLOAT32),
+                          "auto: the GPU has bf16; fp32 where bf16 fails the gate or is no faster")
+        return Choice((DType.FLOAT16, DType.FLOAT32),
+                      "auto: the GPU has no bf16; fp16, fp32 where it fails the gate or is no faster")
     found = [name for name in BF16_CPU_FEATURES if features.get(name)]
     if found:
         return Choice((DType.BFLOAT16, DType.FLOAT32),
-                      f"auto: the CPU has {'/'.join(found)}; fp32 where bf16 fails the gate")
+                      f"auto: the CPU has {'/'.join(found)}; fp32 where bf16 fails the gate or is no faster")
     return Choice((DType.FLOAT32,), f"auto: the CPU has none of {'/'.join(BF16_CPU_FEATURES)}, so bf16 would be "
                                    "emulated")
 

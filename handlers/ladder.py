@@ -18,7 +18,7 @@ import enum
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,9 @@ Run = Callable[[Forward, Any], Any]  # runs one warmup batch through a forward
 # Precisions that trade answers for speed: each serves only where it is faster than the next precision that
 # keeps the answers, on the same rung (handlers.race).
 MUST_PAY = (DType.INT8,)
+# Timed calls per forward when a half precision's screen races fp32 eager: eager calls, no compile, so 3 suffice
+# to find each one's fastest; the load pays ~3 eager passes of the warmup in each precision.
+SCREEN_ROUNDS = 3
 
 
 def call(forward: Forward, batch: Batch) -> Any:
@@ -141,6 +144,7 @@ def run_ladder(
     gate: Callable[[DType], QualityGate],
     run: Run = call,
     calibration: Calibration | None = None,
+    half_must_pay: Collection[DType] = (),
 ) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
@@ -148,7 +152,10 @@ def run_ladder(
     than the same rung at the next precision that passes (``MUST_PAY``). int8 is calibrated on ``calibration``
     and judged on its held-out batches too; without one, on the warmup batches (which then flatter it).
     ``run(forward, batch)`` runs one warmup batch (by default ``forward(**batch)``; generation runs a decode loop
-    instead)."""
+    instead). A half precision in ``half_must_pay`` (what ``auto`` picked, not what the YAML names) is tried on no
+    rung unless its screen's eager forward is faster than fp32 eager's on the warmup batches: some CPUs have bf16
+    instructions that run slower than their fp32 ones. int8's float layers run in bf16 only where bf16's screen
+    passed."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
@@ -159,7 +166,7 @@ def run_ladder(
         calibration = Calibration(warmup_batches, (), "the warmup batches")
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run,
                    int8_rest=torch.bfloat16 if DType.BFLOAT16 in precisions else torch.float32,
-                   calibration=calibration)
+                   calibration=calibration, half_must_pay=half_must_pay)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
                      runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)),
                      must_pay=[p.value for p in MUST_PAY], faster=ladder.faster)
@@ -178,7 +185,8 @@ class _Walk:
 
     def __init__(self, reference: torch.nn.Module, rungs: Sequence[Rung], batches: Sequence[Any],
                  references: Sequence[Any], gate: Callable[[DType], QualityGate], run: Run,
-                 int8_rest: torch.dtype = torch.float32, calibration: Calibration | None = None):
+                 int8_rest: torch.dtype = torch.float32, calibration: Calibration | None = None,
+                 half_must_pay: Collection[DType] = ()):
         self.rungs = {rung.name: rung for rung in rungs}
         self.reference = reference
         self.batches = batches
@@ -187,12 +195,14 @@ class _Walk:
         self.run = run
         self.int8_rest = int8_rest
         self.calibration = calibration
+        self.half_must_pay = frozenset(half_must_pay)
         self._held_out: tuple[Sequence[Any], Sequence[Any]] | None = None  # int8's held-out batches, references
         self.attempts: list[Attempt] = []
         self.forwards: dict[plan.Step, Forward] = {}
         self._attempt_of: dict[plan.Step, int] = {}  # where each accepted step's attempt is in ``attempts``
         self._models: dict[DType, torch.nn.Module] = {DType.FLOAT32: reference}
-        self._screens: dict[DType, Attempt] = {}
+        self._screens: dict[DType, Attempt] = {}  # the screens that passed
+        self._screened: dict[DType, plan.Outcome] = {}  # every screen run: int8 asks for bf16's before plan does
 
     def attempt(self, step: plan.Step) -> plan.Outcome:
         dtype = DType(step.precision)
@@ -245,6 +255,11 @@ class _Walk:
         return winner
 
     def _screen(self, dtype: DType) -> plan.Outcome:
+        if dtype not in self._screened:
+            self._screened[dtype] = self._run_screen(dtype)
+        return self._screened[dtype]
+
+    def _run_screen(self, dtype: DType) -> plan.Outcome:
         try:  # the first use of the precision: its converted copy is made here
             model = self._model(dtype)
         except Exception as exc:  # noqa: BLE001 -- a model that cannot be converted: no rung runs in it
@@ -255,16 +270,50 @@ class _Walk:
             return plan.Outcome.RAISED
         attempt, _ = _try(EagerRung(), model, dtype, self.batches, self.references, self.gate(dtype), self.run,
                           self._held_out_for(dtype))
+        if attempt.status is AttemptStatus.ACCEPTED and dtype in self.half_must_pay:
+            attempt = self._race_fp32_eager(model, dtype, attempt)
         if attempt.status is AttemptStatus.ACCEPTED:
+            kept = f"{dtype.value} keeps the answers in eager"
+            if dtype is DType.INT8:
+                kept += f" (its float layers in {str(self.int8_rest_now).removeprefix('torch.')})"
             attempt = _replace(attempt, status=AttemptStatus.PASSED, screen=True,
-                               reason=f"screen: {dtype.value} keeps the answers in eager; faster rungs try it first")
+                               reason=f"screen: {kept}{attempt.reason or ''}; faster rungs try it first")
             self._screens[dtype] = attempt
+        elif attempt.status is AttemptStatus.SLOWER:
+            self._models.pop(dtype, None)
         else:
             attempt = _replace(attempt, screen=True, reason=f"screen: {attempt.reason}; so no rung runs in "
                                                             f"{dtype.value} (the precision loses the answers)")
             self._models.pop(dtype, None)
         self.attempts.append(attempt)
         return _outcome(attempt)
+
+    def _race_fp32_eager(self, model: torch.nn.Module, dtype: DType, screen: Attempt) -> Attempt:
+        """``screen`` (passed) with the race of ``model`` in ``dtype`` against fp32 eager on the warmup batches: still
+        accepted where the half precision pays (``race.MIN_GAIN``), SLOWER where it does not."""
+        raced = race.run_race([model, self.reference], self.batches, self.run, rounds=SCREEN_ROUNDS)
+        half_ms, fp32_ms = raced.ms
+        timed = (f"{half_ms:.2f} ms eager in {dtype.value} against {fp32_ms:.2f} in float32 (sum of the fastest "
+                 f"forward per warmup batch, {len(self.batches)} batches, {SCREEN_ROUNDS} rounds, "
+                 f"{raced.describe()})")
+        log = logger.warning if raced.disturbed else logger.info
+        if race.pays(half_ms, fp32_ms):
+            log("screen: %s pays here: %s", dtype.value, timed)
+            return _replace(screen, reason=f", and is faster than float32 here: {timed}", forward_ms=half_ms)
+        log("screen: %s keeps the answers but is not faster than float32 here: %s; no rung runs in it", dtype.value,
+            timed)
+        return _replace(screen, status=AttemptStatus.SLOWER, screen=True, forward_ms=half_ms,
+                        reason=f"screen: {dtype.value} keeps the answers in eager, but is not {race.MIN_GAIN:.0%} "
+                               f"faster than float32 here: {timed}; so no rung runs in {dtype.value} (auto serves "
+                               "the faster precision: this CPU's bf16 instructions do not pay)")
+
+    @property
+    def int8_rest_now(self) -> torch.dtype:
+        """The precision int8's float layers run in: bf16 where the ladder tries bf16 and bf16's screen passed (it
+        keeps the answers and, where it must, pays); float32 otherwise. Screens bf16 first if it has not been."""
+        if self.int8_rest is torch.bfloat16 and self._screen(DType.BFLOAT16) is not plan.Outcome.ACCEPTED:
+            return torch.float32
+        return self.int8_rest
 
     @property
     def calibration_said(self) -> str | None:
@@ -293,8 +342,8 @@ class _Walk:
         if dtype not in self._models:
             if dtype is DType.INT8:
                 assert self.calibration is not None  # run_ladder gives one whenever int8 is tried
-                self._models[dtype] = static_int8(copy.deepcopy(self.reference), self.calibration.batches,
-                                                  self.int8_rest)
+                rest = self.int8_rest_now  # before the copy: bf16's screen may run first
+                self._models[dtype] = static_int8(copy.deepcopy(self.reference), self.calibration.batches, rest)
             else:
                 self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
         return self._models[dtype]
@@ -305,6 +354,8 @@ def _outcome(attempt: Attempt) -> plan.Outcome:
         return plan.Outcome.ACCEPTED
     if attempt.status is AttemptStatus.SKIPPED:
         return plan.Outcome.SKIPPED
+    if attempt.status is AttemptStatus.SLOWER:
+        return plan.Outcome.SLOWER
     return plan.Outcome.GATE_FAILED if attempt.quality is not None else plan.Outcome.RAISED
 
 

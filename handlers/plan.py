@@ -5,7 +5,8 @@ precisions come from the YAML's ``dtype``, fastest first; fp32 eager, the refere
 
 1. Before a half precision's first attempt it is *screened*: the model runs eagerly in it, through the warmup
    and the quality gate (seconds, no compile). A precision whose eager answers fail the gate is tried on no
-   rung: what it loses is the precision's doing, and no compile gives it back.
+   rung: what it loses is the precision's doing, and no compile gives it back. Nor is one whose screen says it
+   is slower here (``Outcome.SLOWER``: the ladder races auto's half precision against fp32 eager in its screen).
 2. Rungs go in order, each at the fastest precision still allowed that it can run in (int8 is compile-only:
    eager or IPEX int8 would be slower than their bf16/fp32, so they start at the next precision).
 3. A rung that runs but fails the gate is tried at the next precision, before any lower rung.
@@ -32,6 +33,7 @@ class Outcome(str, enum.Enum):
     GATE_FAILED = "gate_failed"  # ran, and its answers failed the gate
     RAISED = "raised"  # failed to apply or to run
     SKIPPED = "skipped"  # cannot run here
+    SLOWER = "slower"  # a screen whose answers passed, but whose precision is no faster than fp32 here
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@ def git_revision() -> str:
     return f"{rev}+dirty" if dirty else rev
 
 
-CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+# What the numbers depend on: bf16 is fast only with avx512_bf16 / amx_bf16, int8 only with VNNI / amx_int8.
+CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 
 
 def cpu_flags() -> tuple[str, dict[str, str]]:
@@ -98,7 +99,7 @@ def run_header(args: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
         "cpu_count": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": cpu_model(),
-        "cpu_isa": cpu_isa(),  # the numbers depend on it: bf16 is fast only with avx512_bf16 / amx_bf16
+        "cpu_isa": cpu_isa(),
         "git": git_revision(),
         "loadavg_1m": round(os.getloadavg()[0], 2),  # other work on the box skews every number below
         **(extra or {}),

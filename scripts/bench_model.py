@@ -89,6 +89,11 @@ VARIANTS = (
     # ... with inductor's C++ wrapper: the int8 archive as it ships (model_configs/minilm-embeddings-int8.yaml).
     Variant("pt2e-static-int8-bf16-ffn-out-value-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=r"(layer\.\d+\.output\.dense|attention\.self\.value)$", cpp_wrapper=True),
+    # ... with the float layers in float32: the rung where bf16 does not pay (a CPU with avx512_bf16 but no AMX
+    # whose bf16 dot products run no faster than fp32 FMAs, e.g. a Xeon whose AMX the hypervisor hides).
+    Variant("pt2e-static-int8-ffn-out-value-cpp", "pt2e", "int8", dynamic=True, freezing=True,
+            float_linears=r"(layer\.\d+\.output\.dense|attention\.self\.value)$", cpp_wrapper=True),
+    Variant("compile-dynamic-fp32-cpp", "compile", "float32", dynamic=True, cpp_wrapper=True),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),

@@ -458,9 +458,11 @@ def test_int8_that_passes_the_gate_serves_only_where_it_is_faster(net, batches, 
     assert result.dtype is winner and result.active == "compile"
     statuses = {"int8": "accepted" if winner is DType.INT8 else "slower",
                 "bfloat16": "accepted" if winner is DType.BFLOAT16 else "slower"}
-    assert attempts == [("eager", "int8", "passed"), ("compile", "int8", statuses["int8"]),
-                        ("eager", "bfloat16", "passed"), ("compile", "bfloat16", statuses["bfloat16"])]
-    int8, bf16 = result.attempts[1], result.attempts[3]
+    # bf16 is screened first: int8's float layers run in bf16 only where bf16 passed its screen.
+    assert attempts == [("eager", "bfloat16", "passed"), ("eager", "int8", "passed"),
+                        ("compile", "int8", statuses["int8"]), ("compile", "bfloat16", statuses["bfloat16"])]
+    assert "its float layers in bfloat16" in result.attempts[1].reason
+    int8, bf16 = result.attempts[2], result.attempts[3]
     slow_ms, fast_ms = (int8, bf16) if slow is DType.INT8 else (bf16, int8)
     assert slow_ms.forward_ms >= 10 * len(batches) > fast_ms.forward_ms  # 5 calls each, the fastest of them
     for attempt in (int8, bf16):
@@ -469,6 +471,67 @@ def test_int8_that_passes_the_gate_serves_only_where_it_is_faster(net, batches, 
     assert loser.reason.startswith("passed the gate, but") and loser.to_json()["forward_ms"] == loser.forward_ms
     with torch.inference_mode():
         assert int8_gate(winner).measure(result.forward(**batches[0]), [net(**batches[0])]) >= 0.9
+
+
+class SlowWhen(SmallNet):
+    """SmallNet whose forward sleeps 20 ms while its weights are in ``dtype``: with bf16, a CPU whose bf16
+    instructions run slower than its fp32 ones (a Xeon whose AMX the hypervisor hides); with fp32, one whose
+    bf16 pays."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.slow_dtype = dtype
+
+    def forward(self, x):
+        if self.up.weight.dtype is self.slow_dtype:
+            time.sleep(0.02)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("slow", [torch.bfloat16, torch.float32])
+def test_autos_bf16_serves_only_where_its_eager_screen_beats_fp32(batches, slow):
+    """auto promises the fastest precision that keeps the answers: its bf16 is raced against fp32 eager in the
+    screen (eager, no compile), and where it is not faster no rung runs in it; fp32 compiles instead."""
+    result = run_ladder(SlowWhen(slow).eval(), (DType.BFLOAT16, DType.FLOAT32), [SlowIn("compile", None, 0),
+                                                                                  EagerRung()],
+                        batches, lambda dtype: CosineGate(0.99), half_must_pay=(DType.BFLOAT16,))
+    attempts = [(a.rung, a.dtype, a.status.value) for a in result.attempts]
+    screen = result.attempts[0]
+    assert screen.screen and screen.forward_ms is not None
+    if slow is torch.bfloat16:
+        assert attempts == [("eager", "bfloat16", "slower"), ("compile", "float32", "accepted")]
+        assert screen.forward_ms >= 20 * len(batches)
+        assert "but is not 5% faster than float32 here" in screen.reason
+        assert "so no rung runs in bfloat16" in screen.reason
+        assert result.dtype is DType.FLOAT32
+    else:
+        assert attempts == [("eager", "bfloat16", "passed"), ("compile", "bfloat16", "accepted")]
+        assert "and is faster than float32 here" in screen.reason
+        assert result.dtype is DType.BFLOAT16
+
+
+def test_a_named_bf16_is_not_raced_in_its_screen(batches):
+    """bf16 the YAML names (not auto's) serves as asked, slower or not: the user may want it for its memory."""
+    result = run_ladder(SlowWhen(torch.bfloat16).eval(), (DType.BFLOAT16, DType.FLOAT32),
+                        [SlowIn("compile", None, 0), EagerRung()], batches, lambda dtype: CosineGate(0.99))
+    assert [(a.rung, a.dtype, a.status.value) for a in result.attempts] == [
+        ("eager", "bfloat16", "passed"), ("compile", "bfloat16", "accepted")]
+    assert result.attempts[0].forward_ms is None
+
+
+@pytest.mark.torchao
+def test_int8_runs_its_float_layers_in_fp32_where_autos_bf16_does_not_pay(batches):
+    """int8's float layers follow bf16's screen: where bf16 is slower than fp32, int8 keeps them in fp32 and races
+    the fp32 compile."""
+    net = SlowWhen(torch.bfloat16).eval()
+    result = run_ladder(net, (DType.INT8, DType.BFLOAT16, DType.FLOAT32), [SlowIn("compile", DType.FLOAT32, 10),
+                                                                          EagerRung()],
+                        batches, int8_gate, half_must_pay=(DType.BFLOAT16,))
+    attempts = [(a.rung, a.dtype, a.status.value) for a in result.attempts]
+    assert attempts == [("eager", "bfloat16", "slower"), ("eager", "int8", "passed"), ("compile", "int8", "accepted"),
+                        ("compile", "float32", "slower")]
+    assert "its float layers in float32" in result.attempts[1].reason
+    assert "ms in int8 against" in result.attempts[2].reason and "in float32" in result.attempts[2].reason
 
 
 def test_a_rung_that_raises_in_bf16_hands_over_to_the_next_rung_in_bf16(net, batches):

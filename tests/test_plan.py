@@ -54,6 +54,12 @@ def compile_only_int8(rung: str, precision: str) -> bool:
                  "safe_compile@float32": R, "ipex@bfloat16": S, "eager@bfloat16": A},
      ["screen@bfloat16", "compile@bfloat16", "compile@float32", "safe_compile@bfloat16", "safe_compile@float32",
       "ipex@bfloat16", "eager@bfloat16"], "eager@bfloat16"),
+    # bf16 keeps the answers but its screen is slower than fp32 eager (auto's, on a CPU whose bf16 does not pay):
+    # no rung runs in it, not even eager; fp32 compiles.
+    (BF16_FP32, {"screen@bfloat16": Outcome.SLOWER, "compile@float32": A}, ["screen@bfloat16", "compile@float32"],
+     "compile@float32"),
+    (BF16_FP32, {"screen@bfloat16": Outcome.SLOWER, "compile@float32": R, "safe_compile@float32": R},
+     ["screen@bfloat16", "compile@float32", "safe_compile@float32", "ipex@float32"], "eager@float32"),
     # An AVX2 CPU: fp32 only, no screen, today's ladder.
     (("float32",), {"compile@float32": R, "safe_compile@float32": A},
      ["compile@float32", "safe_compile@float32"], "safe_compile@float32"),
