@@ -16,6 +16,21 @@ from handlers.engine import Engine
 SHAPES = {"policy": "buckets", "batch_sizes": [1, 2], "seq_lengths": [32]}
 
 
+def auto_served(optimization: dict, tried: list[str]) -> str:
+    """The first of auto's precisions in ``tried`` whose screen did not find it slower than fp32 eager: on a CPU
+    whose bf16 instructions run slower than its fp32 ones (AMX hidden by the hypervisor), fp32. A slower screen
+    says both times; int8 is not auto's."""
+    screens = {a["dtype"]: a for a in optimization["attempts"] if a["screen"] and a["rung"] == "eager"}
+    for precision in tried:
+        screen = screens.get(precision)
+        if precision == "int8" or (screen is not None and screen["status"] == "slower"):
+            if screen is not None and precision != "int8":
+                assert " faster than float32 here: " in screen["reason"] and screen["forward_ms"] > 0, screen
+            continue
+        return precision
+    raise AssertionError(f"no precision of {tried} served: {optimization['attempts']}")
+
+
 def load(model_dir: Path, task: str, dtype) -> dict:
     torch._dynamo.reset()
     raw = {"pt2": {"compile": {"enable": True, "backend": "eager"}},

@@ -28,6 +28,7 @@ from handlers.config import DType  # noqa: E402
 from handlers.ipex import probe_ipex  # noqa: E402
 from tests.conftest import SHARED_ARCHIVE_ENV  # noqa: E402
 from tests.test_int8 import assert_raced  # noqa: E402
+from tests.test_precision import auto_served  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -516,21 +517,6 @@ def registered(server, model: str, metric: str = "score_agreement") -> dict:
     quality = accepted_attempt(optimization)["quality"]
     assert quality["metric"] == metric and quality["value"] >= quality["threshold"]
     return optimization
-
-
-def auto_served(optimization: dict, tried: list[str]) -> str:
-    """The first of auto's precisions in ``tried`` whose screen did not find it slower than fp32 eager: on a CPU
-    whose bf16 instructions run slower than its fp32 ones (AMX hidden by the hypervisor), fp32. A slower screen
-    says both times; int8 is not auto's."""
-    screens = {a["dtype"]: a for a in optimization["attempts"] if a["screen"] and a["rung"] == "eager"}
-    for precision in tried:
-        screen = screens.get(precision)
-        if precision == "int8" or (screen is not None and screen["status"] == "slower"):
-            if screen is not None and precision != "int8":
-                assert " faster than float32 here: " in screen["reason"] and screen["forward_ms"] > 0, screen
-            continue
-        return precision
-    raise AssertionError(f"no precision of {tried} served: {optimization['attempts']}")
 
 
 def accepted_attempt(optimization: dict) -> dict:
