@@ -275,7 +275,7 @@ class _Walk:
         if attempt.status is AttemptStatus.ACCEPTED:
             kept = f"{dtype.value} keeps the answers in eager"
             if dtype is DType.INT8:
-                kept += f" (its float layers in {str(self.int8_rest_now).removeprefix('torch.')})"
+                kept += f" (its float layers in {str(self._int8_rest()).removeprefix('torch.')})"
             attempt = _replace(attempt, status=AttemptStatus.PASSED, screen=True,
                                reason=f"screen: {kept}{attempt.reason or ''}; faster rungs try it first")
             self._screens[dtype] = attempt
@@ -305,10 +305,9 @@ class _Walk:
         return _replace(screen, status=AttemptStatus.SLOWER, screen=True, forward_ms=half_ms,
                         reason=f"screen: {dtype.value} keeps the answers in eager, but is not {race.MIN_GAIN:.0%} "
                                f"faster than float32 here: {timed}; so no rung runs in {dtype.value} (auto serves "
-                               "the faster precision: this CPU's bf16 instructions do not pay)")
+                               "the faster precision)")
 
-    @property
-    def int8_rest_now(self) -> torch.dtype:
+    def _int8_rest(self) -> torch.dtype:
         """The precision int8's float layers run in: bf16 where the ladder tries bf16 and bf16's screen passed (it
         keeps the answers and, where it must, pays); float32 otherwise. Screens bf16 first if it has not been."""
         if self.int8_rest is torch.bfloat16 and self._screen(DType.BFLOAT16) is not plan.Outcome.ACCEPTED:
@@ -342,7 +341,7 @@ class _Walk:
         if dtype not in self._models:
             if dtype is DType.INT8:
                 assert self.calibration is not None  # run_ladder gives one whenever int8 is tried
-                rest = self.int8_rest_now  # before the copy: bf16's screen may run first
+                rest = self._int8_rest()  # before the copy: bf16's screen may run first
                 self._models[dtype] = static_int8(copy.deepcopy(self.reference), self.calibration.batches, rest)
             else:
                 self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
