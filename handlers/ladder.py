@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from handlers import plan, race
+from handlers import plan, race, sensitivity
 from handlers.config import DType
-from handlers.quantize import in_precision, static_int8
+from handlers.quantize import in_precision, static_int8, stays_float
 from handlers.dynamo_watch import DynamoCounts, dynamo_counts, steady_state_problem
 from handlers.rungs import CompileRung, EagerRung, Forward, Rung
 
@@ -203,6 +203,8 @@ class _Walk:
         self._models: dict[DType, torch.nn.Module] = {DType.FLOAT32: reference}
         self._screens: dict[DType, Attempt] = {}  # the screens that passed
         self._screened: dict[DType, plan.Outcome] = {}  # every screen run: int8 asks for bf16's before plan does
+        self._int8_choice: sensitivity.Choice | None = None  # the layers int8 takes beyond its rule, measured
+        self._int8_by_rule = False  # int8 with the measured layers lost the answers: built again by the rule alone
 
     def attempt(self, step: plan.Step) -> plan.Outcome:
         dtype = DType(step.precision)
@@ -260,13 +262,25 @@ class _Walk:
         return self._screened[dtype]
 
     def _run_screen(self, dtype: DType) -> plan.Outcome:
+        outcome = self._screen_model(dtype)
+        if dtype is DType.INT8 and outcome is not plan.Outcome.ACCEPTED and self._int8_widened():
+            # The measured layers cost more together than alone: int8 by the rule alone, judged afresh.
+            self._int8_by_rule = True
+            self._models.pop(dtype, None)
+            return self._screen_model(dtype)
+        return outcome
+
+    def _screen_model(self, dtype: DType) -> plan.Outcome:
+        widened = dtype is DType.INT8 and self._int8_widened()
+        if_not = ("; int8 is built again with the rule's float layers" if widened
+                  else f"; so no rung runs in {dtype.value}")
         try:  # the first use of the precision: its converted copy is made here
             model = self._model(dtype)
         except Exception as exc:  # noqa: BLE001 -- a model that cannot be converted: no rung runs in it
             logger.warning("converting the model to %s failed: %s", dtype.value, summarize(exc), exc_info=True)
             self.attempts.append(Attempt(plan.EAGER, AttemptStatus.FAILED,
-                                         f"screen: converting the model to {dtype.value} failed: {summarize(exc)}; "
-                                         f"so no rung runs in {dtype.value}", 0.0, dtype.value, screen=True))
+                                         f"screen: converting the model to {dtype.value} failed: {summarize(exc)}"
+                                         f"{if_not}", 0.0, dtype.value, screen=True))
             return plan.Outcome.RAISED
         attempt, _ = _try(EagerRung(), model, dtype, self.batches, self.references, self.gate(dtype), self.run,
                           self._held_out_for(dtype))
@@ -275,15 +289,16 @@ class _Walk:
         if attempt.status is AttemptStatus.ACCEPTED:
             kept = f"{dtype.value} keeps the answers in eager"
             if dtype is DType.INT8:
-                kept += f" (its float layers in {str(self._int8_rest()).removeprefix('torch.')})"
+                kept += f" (its float layers in {str(self._int8_rest()).removeprefix('torch.')}; {self._int8_said()})"
             attempt = _replace(attempt, status=AttemptStatus.PASSED, screen=True,
                                reason=f"screen: {kept}{attempt.reason or ''}; faster rungs try it first")
             self._screens[dtype] = attempt
         elif attempt.status is AttemptStatus.SLOWER:
             self._models.pop(dtype, None)
         else:
-            attempt = _replace(attempt, screen=True, reason=f"screen: {attempt.reason}; so no rung runs in "
-                                                            f"{dtype.value} (the precision loses the answers)")
+            loses = (f", with {self._int8_said()}{if_not}" if widened
+                     else f"{if_not} (the precision loses the answers)")
+            attempt = _replace(attempt, screen=True, reason=f"screen: {attempt.reason}{loses}")
             self._models.pop(dtype, None)
         self.attempts.append(attempt)
         return _outcome(attempt)
@@ -306,6 +321,50 @@ class _Walk:
                         reason=f"screen: {dtype.value} keeps the answers in eager, but is not {race.MIN_GAIN:.0%} "
                                f"faster than float32 here: {timed}; so no rung runs in {dtype.value} (auto serves "
                                "the faster precision)")
+
+    def _int8_widened(self) -> bool:
+        """Whether int8 is (to be) built with layers beyond its rule: measures them on first use."""
+        return not self._int8_by_rule and bool(self._int8_layers().taken)
+
+    def _int8_layers(self) -> sensitivity.Choice:
+        """Which of the layers int8's rule keeps in float cost the gate least in int8, each measured alone (once)."""
+        if self._int8_choice is None:
+            self._int8_choice = self._measure_int8_layers()
+        return self._int8_choice
+
+    def _int8_said(self) -> str:
+        if self._int8_by_rule:
+            return "the rule's float layers only: with the measured ones too it lost the answers"
+        return self._int8_layers().describe()
+
+    def _measure_int8_layers(self) -> sensitivity.Choice:
+        assert self.calibration is not None  # run_ladder gives one whenever int8 is tried
+        candidates = [name for name, layer in self.reference.named_modules()
+                      if isinstance(layer, torch.nn.Linear) and stays_float(name, layer)]
+        gate = self.gate(DType.INT8)
+        batches, references = list(self.batches), list(self.references)
+        held_out = self._held_out_for(DType.INT8)
+        if held_out is not None:
+            batches, references = batches + list(held_out[0]), references + list(held_out[1])
+
+        def score(module: torch.nn.Module) -> float:
+            worst = float("inf")
+            with torch.inference_mode():
+                for batch, expected in zip(batches, references, strict=True):
+                    try:
+                        worst = min(worst, gate.measure(self.run(module, batch), expected))
+                    except QualityError:  # e.g. a label that flipped: this layer stays float
+                        return float("-inf")
+            return worst
+
+        try:
+            choice = sensitivity.choose(self.reference, candidates, self.calibration.batches, score, gate.threshold)
+        except Exception as exc:  # noqa: BLE001 -- measuring is an extra: without it, the rule alone
+            logger.warning("int8: measuring the layers kept in float failed (%s); the rule alone decides",
+                           summarize(exc), exc_info=True)
+            return sensitivity.Choice((), {}, 0.0, 0.0)
+        logger.info("int8: %s: %s", choice.describe(), ", ".join(choice.taken) or "none")
+        return choice
 
     def _int8_rest(self) -> torch.dtype:
         """The precision int8's float layers run in: bf16 where the ladder tries bf16 and bf16's screen passed (it
@@ -342,7 +401,10 @@ class _Walk:
             if dtype is DType.INT8:
                 assert self.calibration is not None  # run_ladder gives one whenever int8 is tried
                 rest = self._int8_rest()  # before the copy: bf16's screen may run first
-                self._models[dtype] = static_int8(copy.deepcopy(self.reference), self.calibration.batches, rest)
+                taken = set() if self._int8_by_rule else set(self._int8_layers().taken)
+                self._models[dtype] = static_int8(
+                    copy.deepcopy(self.reference), self.calibration.batches, rest,
+                    keep_float=lambda name, layer: stays_float(name, layer) and name not in taken)
             else:
                 self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
         return self._models[dtype]

@@ -5,7 +5,9 @@ model is exported with every axis the model lets vary dynamic; weights are quant
 each activation once per tensor with a scale calibrated on the warmup batches (``handlers.calibration``). Linear
 layers that narrow (more inputs than outputs: a transformer's FFN output, whose input is GELU's long tail, and
 the task heads) stay in float, and so do attention value projections (``stays_float``): MiniLM embeddings keep
-cosine 0.994-0.997 vs fp32 on held-out texts, where quantizing every linear loses the gate (0.970).
+cosine 0.994-0.997 vs fp32 on held-out texts, where quantizing every linear loses the gate (0.970). That rule is
+the safe start: the ladder quantizes those of its float layers that a per-layer measurement finds cheap
+(``handlers.sensitivity``).
 Compiled with freezing, each quantize step folds into the layer before it and the int8 linears become oneDNN's
 fused ``qlinear``: twice as fast as the dynamic scheme at 8x128 tokens (docs/performance.md: PT2E static int8).
 What is not quantized runs in ``rest``: bf16 under autocast where the ladder also tries bf16, else float32.
@@ -108,10 +110,10 @@ def stays_float(name: str, layer: torch.nn.Linear) -> bool:
 def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.Tensor]],
                 rest: torch.dtype = torch.float32,
                 keep_float: Callable[[str, torch.nn.Linear], bool] = stays_float) -> torch.nn.Module:
-    """``module`` (float32) with every linear layer but those ``keep_float`` names (by default ``stays_float``)
-    quantized statically to int8 (PT2E), calibrated on ``examples`` (the warmup batches), exported from the
-    largest of them with every axis the model lets vary dynamic. Called with the same keywords as ``module``;
-    what is not quantized runs in ``rest``."""
+    """``module`` (float32) with every linear layer but those ``keep_float`` names (by default ``stays_float``; each
+    named as ``module.named_modules()`` names it) quantized statically to int8 (PT2E), calibrated on ``examples``
+    (the warmup batches), exported from the largest of them with every axis the model lets vary dynamic. Called
+    with the same keywords as ``module``; what is not quantized runs in ``rest``."""
     if not examples or not all(isinstance(example, Mapping) for example in examples):
         raise TypeError("static int8 needs warmup batches of named tensors to export and calibrate on")
     quantization, reason = probe_torchao()
@@ -132,9 +134,9 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
     graph.graph.eliminate_dead_code()  # e.g. BERT's unused pooler, whose dangling tanh the quantizer trips on
     graph.recompile()
     quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
-    for name, layer in positional.named_modules():
+    for name, layer in module.named_modules():  # keep_float sees the model's own names; the graph's are under inner
         if isinstance(layer, torch.nn.Linear) and keep_float(name, layer):
-            quantizer.set_module_name_qconfig(name, None)
+            quantizer.set_module_name_qconfig(f"inner.{name}", None)
     with _quiet_torchao():
         prepared = quantize_pt2e.prepare_pt2e(graph, quantizer)
         with torch.no_grad():

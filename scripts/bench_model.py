@@ -15,8 +15,9 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     pt2e-static-int8[-bf16] (PT2E static quantization: torch.export, torchao's X86InductorQuantizer with per-tensor
     activation scales calibrated on other texts, frozen compile; -bf16 under bf16 autocast, as Intel recommends),
     pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16),
-    pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: the int8 rung's form,
-    handlers.quantize.static_int8, on this model),
+    pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: handlers.quantize.stays_float's rule),
+    pt2e-static-int8[-bf16]-measured-cpp (the int8 rung's form: that rule, less the float layers a per-layer
+    measurement finds cheap, handlers.sensitivity; C++ wrapper),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
     which its rows report),
@@ -63,6 +64,8 @@ class Variant:
     cpp_wrapper: bool = False  # inductor's C++ wrapper (pt2.compile.options.cpp_wrapper)
 
 
+MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
+
 VARIANTS = (
     Variant("eager-fp32", "eager", "float32"),
     Variant("eager-bf16", "eager", "bfloat16"),
@@ -94,6 +97,12 @@ VARIANTS = (
     Variant("pt2e-static-int8-ffn-out-value-cpp", "pt2e", "int8", dynamic=True, freezing=True,
             float_linears=r"(layer\.\d+\.output\.dense|attention\.self\.value)$", cpp_wrapper=True),
     Variant("compile-dynamic-fp32-cpp", "compile", "float32", dynamic=True, cpp_wrapper=True),
+    # The rung as it builds int8 now: of the rule's float layers, those a per-layer measurement finds cheap are
+    # quantized too (handlers.sensitivity), judged here on other texts than the timed ones.
+    Variant("pt2e-static-int8-measured-cpp", "pt2e", "int8", dynamic=True, freezing=True, float_linears=MEASURED,
+            cpp_wrapper=True),
+    Variant("pt2e-static-int8-bf16-measured-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),
@@ -213,8 +222,11 @@ def pt2e_runner(module: Any, variant: Variant, calibration: list[Batch]) -> Runn
 
     pattern = variant.float_linears
     rest = torch.bfloat16 if variant.dtype == "int8+bfloat16" else torch.float32
-    quantized = static_int8(copy.deepcopy(module), calibration, rest,
-                            keep_float=lambda name, layer: bool(pattern and re.search(pattern, name)))
+    if pattern == MEASURED:
+        keep_float = measured_float_layers(module, calibration)
+    else:
+        keep_float = lambda name, layer: bool(pattern and re.search(pattern, name))  # noqa: E731
+    quantized = static_int8(copy.deepcopy(module), calibration, rest, keep_float=keep_float)
     return one_graph_runner(compile_as_rung(quantized, variant))
 
 
@@ -283,6 +295,29 @@ def positional_embedder_class() -> type:
             return self.inner(input_ids=input_ids, attention_mask=attention_mask)
 
     return Positional
+
+
+def measured_float_layers(module: Any, calibration: list[Batch]) -> Any:
+    """The int8 rung's float layers (handlers.quantize.stays_float) less those handlers.sensitivity takes, scored
+    as the embeddings gate scores them (min cosine, threshold 0.99) on the calibration batches."""
+    import torch
+
+    from handlers.quantize import stays_float
+    from handlers.sensitivity import choose
+
+    with torch.inference_mode():
+        wanted = [module(**batch) for batch in calibration]
+
+    def score(candidate: Any) -> float:
+        with torch.inference_mode():
+            return min(min_cosine(candidate(**batch), want) for batch, want in zip(calibration, wanted, strict=True))
+
+    candidates = [name for name, layer in module.named_modules()
+                  if isinstance(layer, torch.nn.Linear) and stays_float(name, layer)]
+    choice = choose(module, candidates, calibration, score, threshold=0.99)
+    log(f"measured: {choice.describe()}: {', '.join(choice.taken)}")
+    taken = set(choice.taken)
+    return lambda name, layer: stays_float(name, layer) and name not in taken
 
 
 def min_cosine(got: Any, want: Any) -> float:
