@@ -47,8 +47,8 @@ class Choice:
         if not self.costs:
             return "no layer is kept in float by rule"
         spent = sum(self.costs[name] for name in self.taken)
-        return (f"{len(self.taken)} of the {len(self.costs)} layers kept in float by rule quantized too, measured one "
-                f"at a time (summed cost {spent:.6f} within {self.budget:.6f}, in {self.seconds:.1f}s)")
+        return (f"{len(self.taken)} of the {len(self.costs)} layers kept in float by rule quantized too, each measured "
+                f"alone: summed cost {spent:.6f} within {self.budget:.6f}, {self.seconds:.1f}s")
 
 
 def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequence[Mapping[str, torch.Tensor]],

@@ -107,9 +107,9 @@ def test_when_the_measured_layers_lose_the_answers_int8_is_built_again_by_the_ru
     first, second = result.attempts[:2]
     assert (first.dtype, first.status, first.screen) == ("int8", AttemptStatus.FAILED, True)
     assert first.quality is not None and first.quality.value < 0.99
-    assert first.reason.endswith("with 1 of the 2 layers kept in float by rule quantized too, measured one at a "
-                                 "time (summed cost 0.000000 within 0.002500, in 0.1s); int8 is built again with "
-                                 "the rule's float layers"), first.reason
+    assert first.reason.endswith("with 1 of the 2 layers kept in float by rule quantized too, each measured alone: "
+                                 "summed cost 0.000000 within 0.002500, 0.1s; int8 is built again with the rule's "
+                                 "float layers"), first.reason
     assert (second.dtype, second.status, second.screen) == ("int8", AttemptStatus.PASSED, True)
     assert "the rule's float layers only: with the measured ones too it lost the answers" in second.reason
     assert int8_compile_passed(result)
