@@ -26,7 +26,7 @@ import torch
 
 from handlers import plan, race, sensitivity
 from handlers.config import DType
-from handlers.quantize import in_precision, static_int8, stays_float
+from handlers.quantize import in_precision, split_outliers, static_int8, stays_float
 from handlers.dynamo_watch import DynamoCounts, dynamo_counts, steady_state_problem
 from handlers.rungs import CompileRung, EagerRung, Forward, Rung
 
@@ -324,7 +324,8 @@ class _Walk:
 
     def _int8_widened(self) -> bool:
         """Whether int8 is (to be) built with layers beyond its rule: measures them on first use."""
-        return not self._int8_by_rule and bool(self._int8_layers().taken)
+        choice = self._int8_layers()
+        return not self._int8_by_rule and bool(choice.taken or choice.split)
 
     def _int8_layers(self) -> sensitivity.Choice:
         """Which of the layers int8's rule keeps in float cost the gate least in int8, each measured alone (once)."""
@@ -339,8 +340,8 @@ class _Walk:
 
     def _measure_int8_layers(self) -> sensitivity.Choice:
         assert self.calibration is not None  # run_ladder gives one whenever int8 is tried
-        candidates = [name for name, layer in self.reference.named_modules()
-                      if isinstance(layer, torch.nn.Linear) and stays_float(name, layer)]
+        linears = {name: layer for name, layer in self.reference.named_modules() if isinstance(layer, torch.nn.Linear)}
+        candidates = [name for name, layer in linears.items() if stays_float(name, layer)]
         gate = self.gate(DType.INT8)
         batches, references = list(self.batches), list(self.references)
         held_out = self._held_out_for(DType.INT8)
@@ -358,7 +359,8 @@ class _Walk:
             return worst
 
         try:
-            choice = sensitivity.choose(self.reference, candidates, self.calibration.batches, score, gate.threshold)
+            choice = sensitivity.choose(self.reference, candidates, self.calibration.batches, score, gate.threshold,
+                                        quantized=[name for name in linears if name not in candidates])
         except Exception as exc:  # noqa: BLE001 -- measuring is an extra: without it, the rule alone
             logger.warning("int8: measuring the layers kept in float failed (%s); the rule alone decides",
                            summarize(exc), exc_info=True)
@@ -401,9 +403,12 @@ class _Walk:
             if dtype is DType.INT8:
                 assert self.calibration is not None  # run_ladder gives one whenever int8 is tried
                 rest = self._int8_rest()  # before the copy: bf16's screen may run first
-                taken = set() if self._int8_by_rule else set(self._int8_layers().taken)
+                model, taken = copy.deepcopy(self.reference), set()
+                if not self._int8_by_rule:
+                    choice = self._int8_layers()
+                    taken = {*choice.taken, *split_outliers(model, choice.split).values()}
                 self._models[dtype] = static_int8(
-                    copy.deepcopy(self.reference), self.calibration.batches, rest,
+                    model, self.calibration.batches, rest,
                     keep_float=lambda name, layer: stays_float(name, layer) and name not in taken)
             else:
                 self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)

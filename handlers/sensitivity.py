@@ -1,15 +1,17 @@
-"""Which of the layers static int8 keeps in float by rule can be quantized too: measured, one layer at a time.
+"""Which of the layers static int8 keeps in float by rule can be quantized too: measured before int8 is built.
 
 ``handlers.quantize.stays_float`` keeps every layer that narrows (a transformer's FFN output) and every attention
-value projection in float: about 40 % of a BERT encoder's linear work. In MiniLM most of them cost the answers
-nothing in int8 and two FFN outputs cost a lot; which ones differs by model. So before int8 is built, each of those
-layers is *simulated* in int8 alone, the rest of the model in float: its input rounded per tensor to uint8 with the
-scale the quantizer's own histogram observer picks on the calibration batches, its weights per output channel to
-int8 (``torch.fake_quantize_*``, the quantizer's specs). The task's gate scores each; the layers that cost least are
-quantized too, cheapest first, while their summed cost stays within ``SHARE`` of the gate's margin. A fraction of a
-second per layer for MiniLM, where building and judging a real int8 model takes seconds. The real int8 model is then
-judged by the gate as always; if it fails, the ladder builds int8 again with the rule's float layers
-(``handlers.ladder``).
+value projection in float: about 40 % of a BERT encoder's linear work. Which of them int8 spoils differs by model, and
+mostly by a few input channels whose values dwarf the rest (one scale per tensor spent on them rounds the others to a
+few steps). So each of those layers is *simulated* in int8, alone, the rest of the model in float: its input rounded
+per tensor to uint8 with the scale the quantizer's own histogram observer picks on the calibration batches, its
+weights per output channel to int8 (``torch.fake_quantize_*``, the quantizer's specs); once as it is, once with its
+``OUTLIER_CHANNELS`` largest input channels kept in float (``handlers.quantize.OutlierSplit``). The task's gate
+scores each form, and the layer keeps the cheaper. Then the cheapest layers are simulated together, with the layers
+int8 quantizes anyway, as many as cost at most ``SHARE`` of the margin those leave above the gate's threshold
+(found by halving). Seconds for MiniLM, where building and judging a real
+int8 model takes tens. The real int8 model is then judged by the gate as always; if it fails, the ladder builds int8
+again with the rule's float layers (``handlers.ladder``).
 
 Pure torch + torchao (imported only when int8 is built).
 """
@@ -19,64 +21,101 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# Of the gate's margin (the best value minus its threshold, e.g. 1 - 0.99 for embeddings), the share the extra
-# layers may spend, summed as each costs alone. Costs add up to more than their sum once the layers are int8
-# together (MiniLM: 6 layers summing 0.0022 alone cost 0.0015 more together), so half the margin is left unspent.
-SHARE = 0.25
+# Of the margin the rule's own int8 leaves above the gate's threshold (simulated; MiniLM: about 0.995 against 0.99),
+# the share the extra layers may cost together: the rest is room for texts the gate did not judge.
+SHARE = 0.5
+# Input channels a layer may keep in float: in MiniLM's FFN outputs one or two channels reach 14-24 where the rest
+# stay under 5, and one scale per tensor spent on them rounds the rest to a few steps. With the 4 largest in float
+# each FFN output costs 0.0001-0.0002 of cosine in int8, where it cost up to 0.009.
+OUTLIER_CHANNELS = 4
 Score = Callable[[torch.nn.Module], float]  # the gate's worst value over the judged batches; -inf if it raised
 
 
 @dataclass(frozen=True)
 class Choice:
-    """The layers to quantize beyond the rule (``taken``), what each layer cost alone (``costs``: the gate's best
-    value minus its value with that layer in int8), the budget the taken ones spent within, and the time it took."""
+    """The layers to quantize beyond the rule: ``taken`` as they are, ``split`` (name -> input channels) with those
+    few channels kept in float (``handlers.quantize.OutlierSplit``); what each candidate cost alone in its cheaper form
+    (``costs``: the gate's best value minus its value with that layer in int8), the budget the chosen ones cost
+    ``together`` within, and the time it took."""
 
     taken: tuple[str, ...]
     costs: Mapping[str, float]
     budget: float
     seconds: float
+    split: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    together: float = 0.0  # what the chosen layers cost the gate together, simulated
 
     def describe(self) -> str:
         if not self.costs:
             return "no layer is kept in float by rule"
-        spent = sum(self.costs[name] for name in self.taken)
-        return (f"{len(self.taken)} of the {len(self.costs)} layers kept in float by rule quantized too, each measured "
-                f"alone: summed cost {spent:.6f} within {self.budget:.6f}, {self.seconds:.1f}s")
+        chosen = [*self.taken, *self.split]
+        split = (f" ({len(self.split)} with their {OUTLIER_CHANNELS} largest input channels in float)" if self.split
+                 else "")
+        return (f"{len(chosen)} of the {len(self.costs)} layers kept in float by rule quantized too{split}, measured "
+                f"alone, then together: cost {self.together:.6f} within {self.budget:.6f}, {self.seconds:.1f}s")
 
 
 def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequence[Mapping[str, torch.Tensor]],
-           score: Score, threshold: float, share: float = SHARE) -> Choice:
-    """Of ``candidates`` (names of ``nn.Linear`` layers in ``module``, a float32 model), those whose simulated int8
-    costs ``score`` least, cheapest first, while the summed cost stays within ``share`` of (the float model's score
-    minus ``threshold``). ``module`` is not changed: each layer's int8 output is a forward hook's, removed after."""
+           score: Score, threshold: float, share: float = SHARE, quantized: Sequence[str] = ()) -> Choice:
+    """Of ``candidates`` (names of ``nn.Linear`` layers in ``module``, a float32 model), the cheapest in simulated
+    int8, as many as can be together while they cost ``score`` at most ``share`` of the margin left above
+    ``threshold`` with the ``quantized`` layers (those int8 quantizes anyway) simulated in int8. Each candidate is
+    first measured alone in two forms, as it is and with its ``OUTLIER_CHANNELS`` largest input channels (on
+    ``calibration``) in float, and kept in the cheaper; then the cheapest ones are measured together, the count found
+    by halving. ``module`` is not changed: each int8 output is a forward hook's, removed after."""
     started = time.perf_counter()
     if not candidates:
         return Choice((), {}, 0.0, 0.0)
-    layers = {name: module.get_submodule(name) for name in candidates}
-    inputs = _observe_inputs(module, layers, calibration)
-    best = score(module)
-    costs = {}
-    for name, layer in layers.items():
-        hook = layer.register_forward_hook(_int8_output(layer, *inputs[name]))
+    layers = {name: module.get_submodule(name) for name in [*candidates, *quantized]}
+    outliers = {name: channels[:OUTLIER_CHANNELS] for name, channels in _largest_channels(
+        module, {name: layers[name] for name in candidates}, calibration).items()}
+    plain = _observe_inputs(module, layers, calibration)
+    masked = _observe_inputs(module, {name: layers[name] for name in candidates}, calibration, outliers)
+    anyway = {name: _int8_output(layers[name], *plain[name]) for name in quantized}
+
+    def simulated(hooks: Mapping[str, Callable[..., torch.Tensor]]) -> float:
+        handles = [layers[name].register_forward_hook(hook) for name, hook in {**anyway, **hooks}.items()]
         try:
-            costs[name] = best - score(module)
+            return score(module)
         finally:
-            hook.remove()
+            for handle in handles:
+                handle.remove()
+
+    best = simulated({})  # the rule's int8 alone
+
+    def cost(hooks: Mapping[str, Callable[..., torch.Tensor]]) -> float:
+        return best - simulated(hooks)
+
+    costs, forms = {}, {}
+    for name in candidates:
+        layer = layers[name]
+        for form, hook in (("plain", _int8_output(layer, *plain[name])),
+                           ("split", _int8_output(layer, *masked[name], outliers[name]))):
+            alone = cost({name: hook})
+            if name not in costs or alone < costs[name]:  # a tie keeps the plain form: no extra work per call
+                costs[name], forms[name] = alone, (form, hook)
     budget = share * (best - threshold)
-    taken, spent = [], 0.0
-    for name in sorted(costs, key=lambda name: (costs[name], name)):
-        if spent + max(costs[name], 0.0) > budget:
-            break
-        taken.append(name)
-        spent += max(costs[name], 0.0)
-    return Choice(tuple(taken), costs, budget, time.perf_counter() - started)
+    cheapest = sorted(costs, key=lambda name: (costs[name], name))
+    # Layers cost more together than alone; the cost of the k cheapest together grows with k: halve to the most.
+    low, high, spent = 0, len(cheapest), 0.0
+    while low < high:
+        count = (low + high + 1) // 2
+        together = cost({name: forms[name][1] for name in cheapest[:count]})
+        if together <= budget:
+            low, spent = count, together
+        else:
+            high = count - 1
+    chosen = cheapest[:low]
+    return Choice(tuple(name for name in chosen if forms[name][0] == "plain"), costs, budget,
+                  time.perf_counter() - started,
+                  {name: outliers[name] for name in chosen if forms[name][0] == "split"}, spent)
 
 
 def _specs() -> tuple[Any, Any]:
@@ -87,9 +126,27 @@ def _specs() -> tuple[Any, Any]:
     return config.input_activation, config.weight
 
 
+def _largest_channels(module: torch.nn.Module, layers: Mapping[str, torch.nn.Module],
+                      calibration: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
+    """Each layer's input channels, largest absolute value on ``calibration`` first."""
+    largest: dict[str, torch.Tensor] = {}
+
+    def track(name: str) -> Callable[..., None]:
+        def hook(_: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            values = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+            largest[name] = values if name not in largest else torch.maximum(largest[name], values)
+
+        return hook
+
+    _calibrate(module, {name: track(name) for name in layers}, layers, calibration)
+    return {name: tuple(values.argsort(descending=True).tolist()) for name, values in largest.items()}
+
+
 def _observe_inputs(module: torch.nn.Module, layers: Mapping[str, torch.nn.Module],
-                    calibration: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tuple[float, int]]:
-    """Each layer's input scale and zero point, as the activation spec's observer picks them on ``calibration``."""
+                    calibration: Sequence[Mapping[str, torch.Tensor]],
+                    kept: Mapping[str, Sequence[int]] | None = None) -> dict[str, tuple[float, int]]:
+    """Each layer's input scale and zero point, as the activation spec's observer picks them on ``calibration``;
+    with ``kept`` channels zeroed first (they stay float)."""
     spec, _ = _specs()
     observers = {name: spec.observer_or_fake_quant_ctr(dtype=spec.dtype, quant_min=spec.quant_min,
                                                        quant_max=spec.quant_max, qscheme=spec.qscheme)
@@ -97,18 +154,11 @@ def _observe_inputs(module: torch.nn.Module, layers: Mapping[str, torch.nn.Modul
 
     def observe(name: str) -> Callable[..., None]:
         def hook(_: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            observers[name](args[0].detach().float())
+            observers[name](_without(args[0].detach().float(), (kept or {}).get(name, ())))
 
         return hook
 
-    hooks = [layer.register_forward_pre_hook(observe(name)) for name, layer in layers.items()]
-    try:
-        with torch.inference_mode():
-            for batch in calibration:
-                module(**batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    _calibrate(module, {name: observe(name) for name in layers}, layers, calibration)
     qparams = {}
     for name, observer in observers.items():
         scale, zero_point = observer.calculate_qparams()
@@ -116,21 +166,49 @@ def _observe_inputs(module: torch.nn.Module, layers: Mapping[str, torch.nn.Modul
     return qparams
 
 
-def _int8_output(layer: torch.nn.Module, scale: float, zero_point: int) -> Callable[..., torch.Tensor]:
-    """A forward hook giving ``layer``'s output with its input and weights rounded as static int8 rounds them."""
+def _calibrate(module: torch.nn.Module, hooks: Mapping[str, Callable[..., None]],
+               layers: Mapping[str, torch.nn.Module], calibration: Sequence[Mapping[str, torch.Tensor]]) -> None:
+    handles = [layers[name].register_forward_pre_hook(hook) for name, hook in hooks.items()]
+    try:
+        with torch.inference_mode():
+            for batch in calibration:
+                module(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _without(values: torch.Tensor, channels: Sequence[int]) -> torch.Tensor:
+    """``values`` with the last dimension's ``channels`` zeroed."""
+    if not channels:
+        return values
+    values = values.clone()
+    values[..., list(channels)] = 0
+    return values
+
+
+def _int8_output(layer: torch.nn.Module, scale: float, zero_point: int,
+                 kept: Sequence[int] = ()) -> Callable[..., torch.Tensor]:
+    """A forward hook giving ``layer``'s output with its input and weights rounded as static int8 rounds them; the
+    input channels ``kept`` stay float (``handlers.quantize.OutlierSplit``)."""
     activation, weight_spec = _specs()
     observer = weight_spec.observer_or_fake_quant_ctr(dtype=weight_spec.dtype, quant_min=weight_spec.quant_min,
                                                       quant_max=weight_spec.quant_max, qscheme=weight_spec.qscheme,
                                                       ch_axis=weight_spec.ch_axis)
-    weight = layer.weight.detach().float()
+    weight = _without(layer.weight.detach().float(), kept)
     observer(weight)
     scales, zero_points = observer.calculate_qparams()
     rounded = torch.fake_quantize_per_channel_affine(weight, scales.float(), zero_points.int(), weight_spec.ch_axis,
                                                      weight_spec.quant_min, weight_spec.quant_max)
+    exact = layer.weight.detach().float()[:, list(kept)]
 
     def hook(_: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        inputs = torch.fake_quantize_per_tensor_affine(args[0].float(), scale, zero_point, activation.quant_min,
-                                                       activation.quant_max)
-        return torch.nn.functional.linear(inputs, rounded, layer.bias).to(output.dtype)
+        inputs = args[0].float()
+        quantized = torch.fake_quantize_per_tensor_affine(_without(inputs, kept), scale, zero_point,
+                                                          activation.quant_min, activation.quant_max)
+        result = torch.nn.functional.linear(quantized, rounded, layer.bias)
+        if kept:
+            result = result + torch.nn.functional.linear(inputs[..., list(kept)], exact)
+        return result.to(output.dtype)
 
     return hook

@@ -222,11 +222,12 @@ def pt2e_runner(module: Any, variant: Variant, calibration: list[Batch]) -> Runn
 
     pattern = variant.float_linears
     rest = torch.bfloat16 if variant.dtype == "int8+bfloat16" else torch.float32
+    model = copy.deepcopy(module)
     if pattern == MEASURED:
-        keep_float = measured_float_layers(module, calibration)
+        keep_float = measured_float_layers(module, model, calibration)
     else:
         keep_float = lambda name, layer: bool(pattern and re.search(pattern, name))  # noqa: E731
-    quantized = static_int8(copy.deepcopy(module), calibration, rest, keep_float=keep_float)
+    quantized = static_int8(model, calibration, rest, keep_float=keep_float)
     return one_graph_runner(compile_as_rung(quantized, variant))
 
 
@@ -297,12 +298,13 @@ def positional_embedder_class() -> type:
     return Positional
 
 
-def measured_float_layers(module: Any, calibration: list[Batch]) -> Any:
+def measured_float_layers(module: Any, copy_of_module: Any, calibration: list[Batch]) -> Any:
     """The int8 rung's float layers (handlers.quantize.stays_float) less those handlers.sensitivity takes, scored
-    as the embeddings gate scores them (min cosine, threshold 0.99) on the calibration batches."""
+    as the embeddings gate scores them (min cosine, threshold 0.99) on the calibration batches; those it takes with
+    their largest input channels in float are split in ``copy_of_module``, as the ladder does."""
     import torch
 
-    from handlers.quantize import stays_float
+    from handlers.quantize import split_outliers, stays_float
     from handlers.sensitivity import choose
 
     with torch.inference_mode():
@@ -312,11 +314,12 @@ def measured_float_layers(module: Any, calibration: list[Batch]) -> Any:
         with torch.inference_mode():
             return min(min_cosine(candidate(**batch), want) for batch, want in zip(calibration, wanted, strict=True))
 
-    candidates = [name for name, layer in module.named_modules()
-                  if isinstance(layer, torch.nn.Linear) and stays_float(name, layer)]
-    choice = choose(module, candidates, calibration, score, threshold=0.99)
-    log(f"measured: {choice.describe()}: {', '.join(choice.taken)}")
-    taken = set(choice.taken)
+    linears = {name: layer for name, layer in module.named_modules() if isinstance(layer, torch.nn.Linear)}
+    candidates = [name for name, layer in linears.items() if stays_float(name, layer)]
+    choice = choose(module, candidates, calibration, score, threshold=0.99,
+                    quantized=[name for name in linears if name not in candidates])
+    log(f"measured: {choice.describe()}: {', '.join(choice.taken)}; split: {', '.join(choice.split)}")
+    taken = {*choice.taken, *split_outliers(copy_of_module, choice.split).values()}
     return lambda name, layer: stays_float(name, layer) and name not in taken
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handlers import sensitivity
+from handlers import quantize, sensitivity
 from handlers.config import CompileSpec, DType
 from handlers.ladder import AttemptStatus, run_ladder
 from handlers.rungs import CompileRung, EagerRung
@@ -17,24 +17,28 @@ from handlers.tasks.embeddings import CosineGate
 pytestmark = pytest.mark.torchao
 
 
-class TwoBranches(torch.nn.Module):
-    """Two FFN-like branches, each widening then narrowing (the rule keeps both narrowing layers in float). One
-    branch's hidden activations have an outlier channel 500 times the rest, and its narrowing layer ignores that
-    channel: one uint8 scale per tensor rounds the channels it reads to a few steps. The other's are even."""
+class Branches(torch.nn.Module):
+    """Three FFN-like branches, each widening then narrowing (the rule keeps the narrowing layers in float). In
+    two, some hidden channels are 500 times the rest and the narrowing layer ignores them: one uint8 scale per
+    tensor then rounds the channels it reads to a few steps. ``one``: a single such channel, which int8 can keep
+    in float; ``many``: 16, more than it keeps. ``even``: none."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.up_even, self.down_even = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
-        self.up_outlier, self.down_outlier = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
-        with torch.no_grad():
-            self.up_outlier.weight[0] *= 500
-            self.up_outlier.bias[0] = 500
-            self.down_outlier.weight[:, 0] = 0
+        for branch, outliers in (("even", 0), ("one", 1), ("many", 16)):
+            up, down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+            with torch.no_grad():
+                up.weight[:outliers] *= 500
+                up.bias[:outliers] = 500
+                down.weight[:, :outliers] = 0
+            setattr(self, f"up_{branch}", up)
+            setattr(self, f"down_{branch}", down)
 
     def forward(self, x):
-        gelu = torch.nn.functional.gelu
-        return self.down_even(gelu(self.up_even(x))) + self.down_outlier(gelu(self.up_outlier(x)))
+        even, one, many = (getattr(self, f"down_{branch}")(torch.nn.functional.gelu(getattr(self, f"up_{branch}")(x)))
+                           for branch in ("even", "one", "many"))
+        return even + one + many
 
 
 def batches(seed: int, count: int = 3) -> list[dict[str, torch.Tensor]]:
@@ -49,29 +53,55 @@ def cosine_score(batch_list):
         with torch.inference_mode():
             return min(gate.measure(module(**batch), want) for batch, want in zip(batch_list, wanted, strict=True))
 
-    model = TwoBranches().eval()
+    model = Branches().eval()
     with torch.inference_mode():
         wanted = [model(**batch) for batch in batch_list]
     return model, score
 
 
-def test_the_cheap_layer_is_taken_and_the_costly_one_is_not():
+def test_cheap_layers_are_taken_one_with_its_outlier_channel_in_float_and_the_costly_one_is_not():
     judged = batches(seed=2)
     model, score = cosine_score(judged)
     before = [model(**batch) for batch in judged]
-    choice = sensitivity.choose(model, ["down_even", "down_outlier"], batches(seed=1), score, threshold=0.99)
+    choice = sensitivity.choose(model, ["down_even", "down_one", "down_many"], batches(seed=1), score, threshold=0.99)
     assert choice.taken == ("down_even",), choice
-    assert 0 <= choice.costs["down_even"] < 0.001 < 0.1 < choice.costs["down_outlier"], choice.costs
+    assert list(choice.split) == ["down_one"] and 0 in choice.split["down_one"], choice.split
+    assert len(choice.split["down_one"]) == sensitivity.OUTLIER_CHANNELS
+    assert 0 <= choice.costs["down_even"] < 0.001 and 0 <= choice.costs["down_one"] < 0.001, choice.costs
+    assert choice.costs["down_many"] > 0.1, choice.costs
     assert choice.budget == pytest.approx(sensitivity.SHARE * 0.01, abs=1e-6)
-    assert "1 of the 2 layers kept in float by rule quantized too" in choice.describe()
+    assert "2 of the 3 layers kept in float by rule quantized too (1 with their 4 largest input channels in float)" \
+        in choice.describe()
+    assert 0 <= choice.together <= choice.budget
+    # With the layers int8 quantizes anyway simulated too, the budget is a share of the margin they leave.
+    widening = ["up_even", "up_one", "up_many"]
+    anyway = sensitivity.choose(model, ["down_even", "down_one", "down_many"], batches(seed=1), score, threshold=0.99,
+                                quantized=widening)
+    assert anyway.budget < choice.budget and (anyway.taken, dict(anyway.split)) == (choice.taken, dict(choice.split))
     after = [model(**batch) for batch in judged]  # measured through hooks, removed after: the model is unchanged
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert not any(layer._forward_hooks or layer._forward_pre_hooks for layer in model.modules())
 
 
+def test_a_layer_split_around_its_outlier_channels_computes_the_same_and_quantizes_its_main_part():
+    model = Branches().eval()
+    split = Branches().eval()
+    assert quantize.split_outliers(split, {"down_one": (0, 5, 6, 7)}) == {"down_one": "down_one.main"}
+    assert isinstance(split.down_one, quantize.OutlierSplit)
+    x = batches(seed=3, count=1)[0]["x"]
+    with torch.inference_mode():
+        torch.testing.assert_close(split(x), model(x), rtol=1e-5, atol=1e-3)
+    quantized = quantize.static_int8(split, batches(seed=1), keep_float=lambda name, layer: name in ("down_even",
+                                                                                                      "down_many"))
+    targets = [str(node.target) for node in quantized.graph.graph.nodes if node.op == "call_function"]
+    # the three widening layers and down_one's main part: four int8 weights
+    assert targets.count("quantized_decomposed.dequantize_per_channel.default") == 4, targets
+
+
 def test_a_budget_of_nothing_takes_nothing_and_no_candidates_measure_nothing():
     model, score = cosine_score(batches(seed=2))
-    assert sensitivity.choose(model, ["down_even"], batches(seed=1), score, threshold=1.0).taken == ()
+    nothing = sensitivity.choose(model, ["down_even"], batches(seed=1), score, threshold=1.0)
+    assert nothing.taken == () and not nothing.split
     none = sensitivity.choose(model, [], batches(seed=1), score, threshold=0.99)
     assert none.taken == () and none.describe() == "no layer is kept in float by rule"
 
@@ -89,10 +119,10 @@ def int8_compile_passed(result):
 
 
 def test_the_ladder_quantizes_the_measured_layer_and_says_so():
-    result = ladder(TwoBranches().eval())
+    result = ladder(Branches().eval())
     screen = result.attempts[0]
     assert (screen.rung, screen.dtype, screen.status, screen.screen) == ("eager", "int8", AttemptStatus.PASSED, True)
-    assert "1 of the 2 layers kept in float by rule quantized too" in screen.reason, screen.reason
+    assert "2 of the 3 layers kept in float by rule quantized too (" in screen.reason, screen.reason
     assert 0.99 <= screen.quality.value < 0.9999
     assert int8_compile_passed(result)
 
@@ -100,16 +130,16 @@ def test_the_ladder_quantizes_the_measured_layer_and_says_so():
 def test_when_the_measured_layers_lose_the_answers_int8_is_built_again_by_the_rule(monkeypatch):
     """The measurement judges each layer with the rest in float; in the real int8 model they are int8 together.
     Where that loses the answers the gate catches it and int8 is built by the rule alone, visibly. (The measurement
-    is made wrong on purpose here: it offers the outlier branch's narrowing layer.)"""
-    wrong = sensitivity.Choice(("down_outlier",), {"down_even": 0.0, "down_outlier": 0.0}, 0.0025, 0.1)
+    is made wrong on purpose here: it offers the narrowing layer of the branch with many outliers.)"""
+    wrong = sensitivity.Choice(("down_many",), {"down_even": 0.0, "down_one": 0.0, "down_many": 0.0}, 0.0025, 0.1)
     monkeypatch.setattr(sensitivity, "choose", lambda *args, **kwargs: wrong)
-    result = ladder(TwoBranches().eval())
+    result = ladder(Branches().eval())
     first, second = result.attempts[:2]
     assert (first.dtype, first.status, first.screen) == ("int8", AttemptStatus.FAILED, True)
     assert first.quality is not None and first.quality.value < 0.99
-    assert first.reason.endswith("with 1 of the 2 layers kept in float by rule quantized too, each measured alone: "
-                                 "summed cost 0.000000 within 0.002500, 0.1s; int8 is built again with the rule's "
-                                 "float layers"), first.reason
+    assert first.reason.endswith("with 1 of the 3 layers kept in float by rule quantized too, measured alone, then "
+                                 "together: cost 0.000000 within 0.002500, 0.1s; int8 is built again with the "
+                                 "rule's float layers"), first.reason
     assert (second.dtype, second.status, second.screen) == ("int8", AttemptStatus.PASSED, True)
     assert "the rule's float layers only: with the measured ones too it lost the answers" in second.reason
     assert int8_compile_passed(result)
