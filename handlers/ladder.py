@@ -348,24 +348,32 @@ class _Walk:
         if held_out is not None:
             batches, references = batches + list(held_out[0]), references + list(held_out[1])
 
-        def score(module: torch.nn.Module) -> float:
-            worst = float("inf")
-            with torch.inference_mode():
-                for batch, expected in zip(batches, references, strict=True):
-                    try:
-                        worst = min(worst, gate.measure(self.run(module, batch), expected))
-                    except QualityError:  # e.g. a label that flipped: this layer stays float
-                        return float("-inf")
-            return worst
+        def scorer(judged: Sequence[Any], wanted: Sequence[Any]) -> sensitivity.Score:
+            def score(module: torch.nn.Module) -> float:
+                worst = float("inf")
+                with torch.inference_mode():
+                    for batch, expected in zip(judged, wanted, strict=True):
+                        try:
+                            worst = min(worst, gate.measure(self.run(module, batch), expected))
+                        except QualityError:  # e.g. a label that flipped: this layer stays float
+                            return float("-inf")
+                return worst
+
+            return score
 
         try:
-            choice = sensitivity.choose(self.reference, candidates, self.calibration.batches, score, gate.threshold,
-                                        quantized=[name for name in linears if name not in candidates])
+            # Each layer alone is scored on the held-out batches only (the harsher texts), the chosen ones together
+            # on every batch the gate judges.
+            choice = sensitivity.choose(self.reference, candidates, self.calibration.batches,
+                                        scorer(batches, references), gate.threshold,
+                                        quantized=[name for name in linears if name not in candidates],
+                                        score_alone=None if held_out is None else scorer(*held_out))
         except Exception as exc:  # noqa: BLE001 -- measuring is an extra: without it, the rule alone
             logger.warning("int8: measuring the layers kept in float failed (%s); the rule alone decides",
                            summarize(exc), exc_info=True)
             return sensitivity.Choice((), {}, 0.0, 0.0)
-        logger.info("int8: %s: %s", choice.describe(), ", ".join(choice.taken) or "none")
+        logger.info("int8: %s: as they are: %s; with their largest input channels in float: %s", choice.describe(),
+                    ", ".join(choice.taken) or "none", ", ".join(choice.split) or "none")
         return choice
 
     def _int8_rest(self) -> torch.dtype:

@@ -63,13 +63,16 @@ class Choice:
 
 
 def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequence[Mapping[str, torch.Tensor]],
-           score: Score, threshold: float, share: float = SHARE, quantized: Sequence[str] = ()) -> Choice:
+           score: Score, threshold: float, share: float = SHARE, quantized: Sequence[str] = (),
+           score_alone: Score | None = None) -> Choice:
     """Of ``candidates`` (names of ``nn.Linear`` layers in ``module``, a float32 model), the cheapest in simulated
     int8, as many as can be together while they cost ``score`` at most ``share`` of the margin left above
     ``threshold`` with the ``quantized`` layers (those int8 quantizes anyway) simulated in int8. Each candidate is
     first measured alone in two forms, as it is and with its ``OUTLIER_CHANNELS`` largest input channels (on
     ``calibration``) in float, and kept in the cheaper; then the cheapest ones are measured together, the count found
-    by halving. ``module`` is not changed: each int8 output is a forward hook's, removed after."""
+    by halving. ``score_alone`` (by default ``score``) scores the layers alone: fewer batches make the load shorter,
+    and only the layers' order depends on it. ``module`` is not changed: each int8 output is a forward hook's, removed
+    after."""
     started = time.perf_counter()
     if not candidates:
         return Choice((), {}, 0.0, 0.0)
@@ -80,15 +83,19 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
     masked = _observe_inputs(module, {name: layers[name] for name in candidates}, calibration, outliers)
     anyway = {name: _int8_output(layers[name], *plain[name]) for name in quantized}
 
-    def simulated(hooks: Mapping[str, Callable[..., torch.Tensor]]) -> float:
+    def simulated(hooks: Mapping[str, Callable[..., torch.Tensor]], scorer: Score = score) -> float:
         handles = [layers[name].register_forward_hook(hook) for name, hook in {**anyway, **hooks}.items()]
         try:
-            return score(module)
+            return scorer(module)
         finally:
             for handle in handles:
                 handle.remove()
 
     best = simulated({})  # the rule's int8 alone
+    if not best > threshold:  # it loses the answers already (also NaN, -inf): nothing to spend
+        return Choice((), dict.fromkeys(candidates, float("inf")), 0.0, time.perf_counter() - started)
+    alone_scorer = score_alone or score
+    best_alone = best if score_alone is None else simulated({}, alone_scorer)
 
     def cost(hooks: Mapping[str, Callable[..., torch.Tensor]]) -> float:
         return best - simulated(hooks)
@@ -98,7 +105,7 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
         layer = layers[name]
         for form, hook in (("plain", _int8_output(layer, *plain[name])),
                            ("split", _int8_output(layer, *masked[name], outliers[name]))):
-            alone = cost({name: hook})
+            alone = best_alone - simulated({name: hook}, alone_scorer)
             if name not in costs or alone < costs[name]:  # a tie keeps the plain form: no extra work per call
                 costs[name], forms[name] = alone, (form, hook)
     budget = share * (best - threshold)
