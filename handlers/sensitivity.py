@@ -110,19 +110,26 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
                 costs[name], forms[name] = alone, (form, hook)
     budget = share * (best - threshold)
     cheapest = sorted(costs, key=lambda name: (costs[name], name))
-    # Layers cost more together than alone; the cost of the k cheapest together grows with k: halve to the most.
-    low, high, spent = 0, len(cheapest), 0.0
-    while low < high:
-        count = (low + high + 1) // 2
-        together = cost({name: forms[name][1] for name in cheapest[:count]})
-        if together <= budget:
-            low, spent = count, together
-        else:
-            high = count - 1
-    chosen = cheapest[:low]
+    count, spent = _most_within(budget, len(cheapest),
+                                lambda count: cost({name: forms[name][1] for name in cheapest[:count]}))
+    chosen = cheapest[:count]
     return Choice(tuple(name for name in chosen if forms[name][0] == "plain"), costs, budget,
                   time.perf_counter() - started,
                   {name: outliers[name] for name in chosen if forms[name][0] == "split"}, spent)
+
+
+def _most_within(budget: float, most: int, together: Callable[[int], float]) -> tuple[int, float]:
+    """The largest count (at most ``most``) whose ``together(count)`` stays within ``budget``, and that cost. Layers
+    cost more together than alone, and the cheapest k together cost more as k grows: halving finds it."""
+    low, high, spent = 0, most, 0.0
+    while low < high:
+        count = (low + high + 1) // 2
+        cost = together(count)
+        if cost <= budget:
+            low, spent = count, cost
+        else:
+            high = count - 1
+    return low, spent
 
 
 def _specs() -> tuple[Any, Any]:
