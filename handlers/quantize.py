@@ -6,8 +6,8 @@ each activation once per tensor with a scale calibrated on the warmup batches (`
 layers that narrow (more inputs than outputs: a transformer's FFN output, whose input is GELU's long tail, and
 the task heads) stay in float, and so do attention value projections (``stays_float``): MiniLM embeddings keep
 cosine 0.994-0.997 vs fp32 on held-out texts, where quantizing every linear loses the gate (0.970). That rule is
-the safe start: the ladder quantizes those of its float layers that a per-layer measurement finds cheap
-(``handlers.sensitivity``).
+the safe start: the ladder quantizes those of its float layers that a measurement finds cheap
+(``handlers.sensitivity``), some as an ``OutlierSplit``, their few largest input channels kept in float.
 Compiled with freezing, each quantize step folds into the layer before it and the int8 linears become oneDNN's
 fused ``qlinear``: twice as fast as the dynamic scheme at 8x128 tokens (docs/performance.md: PT2E static int8).
 What is not quantized runs in ``rest``: bf16 under autocast where the ladder also tries bf16, else float32.
