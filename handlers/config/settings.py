@@ -249,8 +249,8 @@ class SettingsSection(Section):
     may end: `[int8, auto]` tries int8, then what `auto` picks. `int8` (static int8 linear layers, calibrated: see
     `int8_calibration`; compiled frozen; the layers that narrow and the value projections are measured first and
     stay float, whole or in their few largest input channels, where int8 would cost the answers; the float part runs
-    in bf16 where bf16 is tried and passed its screen, else float32) is opt-in: never chosen by `auto`, and left out on a CPU without int8 dot products
-    (VNNI or AMX), where it would not be faster. It is judged on the warmup batches and on held-out texts it was not
+    in bf16 where bf16 is tried and passed its screen, else float32) is opt-in: never chosen by `auto`, and left out
+    on a CPU without int8 dot products (VNNI or AMX), where it would not be faster. It is judged on the warmup batches and on held-out texts it was not
     calibrated on; where it passes the gate it serves only if at least 5 % faster than the same rung in the next
     precision. The fp32 model is always loaded too: the reference and the eager fallback."""
     int8_calibration: StrictStr | None = DEFAULTS.int8_calibration
