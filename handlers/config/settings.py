@@ -250,9 +250,10 @@ class SettingsSection(Section):
     `int8_calibration`; compiled frozen; the layers that narrow and the value projections are measured first and
     stay float, whole or in their few largest input channels, where int8 would cost the answers; the float part runs
     in bf16 where bf16 is tried and passed its screen, else float32) is opt-in: never chosen by `auto`, and left out
-    on a CPU without int8 dot products (VNNI or AMX), where it would not be faster. It is judged on the warmup batches and on held-out texts it was not
-    calibrated on; where it passes the gate it serves only if at least 5 % faster than the same rung in the next
-    precision. The fp32 model is always loaded too: the reference and the eager fallback."""
+    on a CPU without int8 dot products (VNNI or AMX), where it would not be faster. It is judged on the warmup
+    batches and on held-out texts it was not calibrated on; where it passes the gate it serves only if at least 5 %
+    faster than the same rung in the next precision. The fp32 model is always loaded too: the reference and the eager
+    fallback."""
     int8_calibration: StrictStr | None = DEFAULTS.int8_calibration
     """With `int8` in `dtype`: a UTF-8 text file in the archive (relative to it, e.g. `calibration.txt`, packaged
     with `--extra-files`), one text per line, like those the model will be sent; at least 4. int8 is calibrated on
