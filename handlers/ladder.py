@@ -264,7 +264,7 @@ class _Walk:
     def _run_screen(self, dtype: DType) -> plan.Outcome:
         outcome = self._screen_model(dtype)
         if dtype is DType.INT8 and outcome is not plan.Outcome.ACCEPTED and self._int8_widened():
-            # The measured layers cost more together than alone: int8 by the rule alone, judged afresh.
+            # The real int8 model lost what the simulation kept: int8 by the rule alone, judged afresh.
             self._int8_by_rule = True
             self._models.pop(dtype, None)
             return self._screen_model(dtype)
@@ -328,7 +328,7 @@ class _Walk:
         return not self._int8_by_rule and bool(choice.taken or choice.split)
 
     def _int8_layers(self) -> sensitivity.Choice:
-        """Which of the layers int8's rule keeps in float cost the gate least in int8, each measured alone (once)."""
+        """Which of the layers int8's rule keeps in float int8 takes too, and in which form (measured once)."""
         if self._int8_choice is None:
             self._int8_choice = self._measure_int8_layers()
         return self._int8_choice
