@@ -145,6 +145,7 @@ def run_ladder(
     run: Run = call,
     calibration: Calibration | None = None,
     half_must_pay: Collection[DType] = (),
+    int8_memory: sensitivity.Memory | None = None,
 ) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
@@ -155,7 +156,8 @@ def run_ladder(
     instead). A half precision in ``half_must_pay`` (what ``auto`` picked, not what the YAML names) is tried on no
     rung unless its screen's eager forward is faster than fp32 eager's on the warmup batches: some CPUs have bf16
     instructions that run slower than their fp32 ones. int8's float layers run in bf16 only where bf16's screen
-    passed."""
+    passed. Which of them int8 takes too is measured, or read from ``int8_memory`` where an earlier load measured
+    the same model on the same batches."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
@@ -166,7 +168,7 @@ def run_ladder(
         calibration = Calibration(warmup_batches, (), "the warmup batches")
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run,
                    int8_rest=torch.bfloat16 if DType.BFLOAT16 in precisions else torch.float32,
-                   calibration=calibration, half_must_pay=half_must_pay)
+                   calibration=calibration, half_must_pay=half_must_pay, int8_memory=int8_memory)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
                      runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)),
                      must_pay=[p.value for p in MUST_PAY], faster=ladder.faster)
@@ -186,7 +188,7 @@ class _Walk:
     def __init__(self, reference: torch.nn.Module, rungs: Sequence[Rung], batches: Sequence[Any],
                  references: Sequence[Any], gate: Callable[[DType], QualityGate], run: Run,
                  int8_rest: torch.dtype = torch.float32, calibration: Calibration | None = None,
-                 half_must_pay: Collection[DType] = ()):
+                 half_must_pay: Collection[DType] = (), int8_memory: sensitivity.Memory | None = None):
         self.rungs = {rung.name: rung for rung in rungs}
         self.reference = reference
         self.batches = batches
@@ -205,6 +207,7 @@ class _Walk:
         self._screened: dict[DType, plan.Outcome] = {}  # every screen run: int8 asks for bf16's before plan does
         self._int8_choice: sensitivity.Choice | None = None  # the layers int8 takes beyond its rule, measured
         self._int8_by_rule = False  # int8 with the measured layers lost the answers: built again by the rule alone
+        self.int8_memory = int8_memory
 
     def attempt(self, step: plan.Step) -> plan.Outcome:
         dtype = DType(step.precision)
@@ -361,13 +364,20 @@ class _Walk:
 
             return score
 
+        quantized = [name for name in linears if name not in candidates]
         try:
-            # Each layer alone is scored on the held-out batches only (the harsher texts), the chosen ones together
-            # on every batch the gate judges.
-            choice = sensitivity.choose(self.reference, candidates, self.calibration.batches,
-                                        scorer(batches, references), gate.threshold,
-                                        quantized=[name for name in linears if name not in candidates],
-                                        score_alone=None if held_out is None else scorer(*held_out))
+            key = sensitivity.fingerprint(self.reference, [*self.calibration.batches, *batches], candidates,
+                                          quantized, type(gate).__name__, gate.threshold,
+                                          getattr(self.run, "__qualname__", type(self.run).__name__))
+            choice = self.int8_memory.recall(key) if self.int8_memory else None
+            if choice is None:
+                # Each layer alone is scored on the held-out batches only (the harsher texts), the chosen ones
+                # together on every batch the gate judges.
+                choice = sensitivity.choose(self.reference, candidates, self.calibration.batches,
+                                            scorer(batches, references), gate.threshold, quantized=quantized,
+                                            score_alone=None if held_out is None else scorer(*held_out))
+                if self.int8_memory:
+                    self.int8_memory.keep(key, choice)
         except Exception as exc:  # noqa: BLE001 -- measuring is an extra: without it, the rule alone
             logger.warning("int8: measuring the layers kept in float failed (%s); the rule alone decides",
                            summarize(exc), exc_info=True)

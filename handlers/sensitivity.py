@@ -18,10 +18,14 @@ Pure torch + torchao (imported only when int8 is built).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +55,7 @@ class Choice:
     seconds: float
     split: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     together: float = 0.0  # what the chosen layers cost the gate together, simulated
+    remembered: bool = False  # read from an earlier load's measurement of the same model and batches (``Memory``)
 
     def describe(self) -> str:
         if not self.costs:
@@ -58,8 +63,52 @@ class Choice:
         chosen = [*self.taken, *self.split]
         split = (f" ({len(self.split)} with their {OUTLIER_CHANNELS} largest input channels in float)" if self.split
                  else "")
+        when = "remembered from an earlier load" if self.remembered else f"{self.seconds:.1f}s"
         return (f"{len(chosen)} of the {len(self.costs)} layers kept in float by rule quantized too{split}, measured "
-                f"alone, then together: cost {self.together:.6f} within {self.budget:.6f}, {self.seconds:.1f}s")
+                f"alone, then together: cost {self.together:.6f} within {self.budget:.6f}, {when}")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Measured choices kept between loads, one JSON file per ``fingerprint`` in ``directory`` (beside the compile
+    cache): a restarted or added worker reads the choice instead of measuring again. A choice read here is still
+    only a proposal: the real int8 model is judged by the gate as always. Reading or writing never fails a load."""
+
+    directory: Path
+
+    def recall(self, key: str) -> Choice | None:
+        try:
+            saved = json.loads((self.directory / f"{key}.json").read_text(encoding="utf-8"))
+            return Choice(tuple(saved["taken"]), saved["costs"], saved["budget"], saved["seconds"],
+                          {name: tuple(channels) for name, channels in saved["split"].items()}, saved["together"],
+                          remembered=True)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("int8: the remembered measurement %s cannot be read (%s); measuring again", key, exc)
+            return None
+
+    def keep(self, key: str, choice: Choice) -> None:
+        saved = {**dataclasses.asdict(choice), "remembered": False}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            partial = self.directory / f".{key}.json.partial"
+            partial.write_text(json.dumps(saved), encoding="utf-8")
+            partial.replace(self.directory / f"{key}.json")  # whole or not at all, with workers loading side by side
+        except OSError as exc:
+            logger.warning("int8: the measurement cannot be kept in %s (%s); the next load measures again",
+                           self.directory, exc)
+
+
+def fingerprint(module: torch.nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *said: object) -> str:
+    """What a measurement depends on: the model's weights and buffers, the batches it calibrates and is judged on,
+    and what else is ``said`` (layer names, the gate, versions), with this module's constants."""
+    digest = hashlib.sha256(repr((SHARE, OUTLIER_CHANNELS, torch.__version__, said)).encode())
+    tensors = [*module.state_dict().items(), *((name, tensor) for batch in batches for name, tensor in batch.items())]
+    for name, tensor in tensors:
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
 
 
 def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequence[Mapping[str, torch.Tensor]],

@@ -106,11 +106,11 @@ def test_a_budget_of_nothing_takes_nothing_and_no_candidates_measure_nothing():
     assert none.taken == () and none.describe() == "no layer is kept in float by rule"
 
 
-def ladder(model):
+def ladder(model, memory=None):
     """int8, then fp32: a compile rung (dynamo's eager backend: the gate and the order are tested here) and eager."""
     rungs = [CompileRung("compile", CompileSpec(enabled=True, backend="eager")), EagerRung()]
     return run_ladder(model, (DType.INT8, DType.FLOAT32), rungs, batches(seed=1),
-                      lambda dtype: CosineGate(0.99 if dtype is DType.INT8 else 0.9999))
+                      lambda dtype: CosineGate(0.99 if dtype is DType.INT8 else 0.9999), int8_memory=memory)
 
 
 def int8_compile_passed(result):
@@ -143,3 +143,33 @@ def test_when_the_measured_layers_lose_the_answers_int8_is_built_again_by_the_ru
     assert (second.dtype, second.status, second.screen) == ("int8", AttemptStatus.PASSED, True)
     assert "the rule's float layers only: with the measured ones too it lost the answers" in second.reason
     assert int8_compile_passed(result)
+
+
+def test_a_second_load_reads_the_measurement_an_earlier_one_kept(tmp_path, monkeypatch):
+    """A warm worker does not measure again: the choice is kept beside the compile cache, keyed by the weights and
+    batches, and read back; the int8 model built from it is judged by the gate as always. Other weights, another key:
+    measured again."""
+    memory = sensitivity.Memory(tmp_path / "int8")
+    first = ladder(Branches().eval(), memory=memory)
+    assert len(list((tmp_path / "int8").glob("*.json"))) == 1
+    measured = first.attempts[0].reason
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    real_choose = sensitivity.choose
+    monkeypatch.setattr(sensitivity, "choose", measured_again)
+    second = ladder(Branches().eval(), memory=memory)
+    screen = second.attempts[0]
+    assert screen.status is AttemptStatus.PASSED, screen.reason
+    assert screen.reason.endswith("remembered from an earlier load); faster rungs try it first"), screen.reason
+    assert measured.split("measured alone")[0] == screen.reason.split("measured alone")[0]
+    assert int8_compile_passed(second)
+
+    monkeypatch.setattr(sensitivity, "choose", real_choose)
+    other = Branches().eval()
+    with torch.no_grad():
+        other.down_even.weight.mul_(1.01)
+    third = ladder(other, memory=memory)
+    assert "remembered" not in third.attempts[0].reason
+    assert len(list((tmp_path / "int8").glob("*.json"))) == 2
