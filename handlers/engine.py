@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from handlers import calibration, compile_cache, hardware, open_inference, sensitivity
+from handlers import calibration, compile_cache, hardware, memory, open_inference
 from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady
@@ -28,8 +28,6 @@ from handlers.tasks import Task, check_task
 from handlers.tasks.base import Emit, decode_body
 
 logger = logging.getLogger(__name__)
-# Beside the compile cache: int8's measured choice of layers, so a warm worker does not measure again.
-INT8_MEMORY = "pt2-handlers-int8"
 
 
 class State(str, enum.Enum):
@@ -129,8 +127,8 @@ class Engine:
                             lambda dtype: task_class.quality_gate(dtype, settings.quality_gate), run=self._task.prove,
                             calibration=self._int8_calibration(batches) if DType.INT8 in precisions else None,
                             half_must_pay=_picked_by_auto(precisions, settings.dtype),
-                            int8_memory=sensitivity.Memory(Path(self.cache.path) / INT8_MEMORY) if self.cache.path
-                            else None)
+                            memory=memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None,
+                            machine=hardware.machine(self.device, self.threads.value))
         self.cache_use = compile_cache.use_since(cache_before)
         logger.info("compile cache %s: %s", self.cache.path, ", ".join(
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"

@@ -100,6 +100,28 @@ def linux_cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def linux_cpu_model() -> str:
+    """The ``model name`` line of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine(device: torch.device, threads: int) -> str:
+    """What a race's times depend on besides the model (``handlers.memory`` keys races by it, so a compile cache on
+    a volume that hosts of another kind share is raced again there): the device, the CPU's name and the bf16/int8
+    features its kernels may use, torch's kernel level, the threads a worker runs."""
+    if device.type == "cuda":
+        return repr((torch.cuda.get_device_name(device), threads))
+    usable = sorted(name for name, found in cpu_features().items() if found)
+    return repr((linux_cpu_model(), usable, torch.backends.cpu.get_cpu_capability(), threads))
+
+
 def resolve_precisions(requested: Sequence[DType], device: torch.device,
                        features: Mapping[str, bool] | None = None) -> Choice:
     """The precisions to try, fastest first (a tuple of DType). ``auto``: bf16 then fp32 on a CPU with bf16

@@ -20,12 +20,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from handlers import plan, race, sensitivity
 from handlers.config import DType
+from handlers.memory import Memory, batch_tensors, fingerprint
 from handlers.quantize import in_precision, split_outliers, static_int8, stays_float
 from handlers.dynamo_watch import DynamoCounts, dynamo_counts, steady_state_problem
 from handlers.rungs import CompileRung, EagerRung, Forward, Rung
@@ -40,6 +41,7 @@ MUST_PAY = (DType.INT8,)
 # Timed calls per forward when a half precision's screen races fp32 eager: eager calls, no compile, so 3 suffice
 # to find each one's fastest; the load pays ~3 eager passes of the warmup in each precision.
 SCREEN_ROUNDS = 3
+Kept = TypeVar("Kept")  # a decision an earlier load kept (handlers.memory)
 
 
 def call(forward: Forward, batch: Batch) -> Any:
@@ -145,7 +147,8 @@ def run_ladder(
     run: Run = call,
     calibration: Calibration | None = None,
     half_must_pay: Collection[DType] = (),
-    int8_memory: sensitivity.Memory | None = None,
+    memory: Memory | None = None,
+    machine: str = "",
 ) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
@@ -156,8 +159,9 @@ def run_ladder(
     instead). A half precision in ``half_must_pay`` (what ``auto`` picked, not what the YAML names) is tried on no
     rung unless its screen's eager forward is faster than fp32 eager's on the warmup batches: some CPUs have bf16
     instructions that run slower than their fp32 ones. int8's float layers run in bf16 only where bf16's screen
-    passed. Which of them int8 takes too is measured, or read from ``int8_memory`` where an earlier load measured
-    the same model on the same batches."""
+    passed. Which of them int8 takes too is measured. What a load measures (int8's layers, the races) is kept in
+    ``memory`` and read back by the next load of the same model on the same batches, races on the same ``machine``
+    (``handlers.hardware.machine``): workers of one model serve one precision, whatever load each started under."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
@@ -168,7 +172,7 @@ def run_ladder(
         calibration = Calibration(warmup_batches, (), "the warmup batches")
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run,
                    int8_rest=torch.bfloat16 if DType.BFLOAT16 in precisions else torch.float32,
-                   calibration=calibration, half_must_pay=half_must_pay, int8_memory=int8_memory)
+                   calibration=calibration, half_must_pay=half_must_pay, memory=memory, machine=machine)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
                      runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)),
                      must_pay=[p.value for p in MUST_PAY], faster=ladder.faster)
@@ -188,7 +192,7 @@ class _Walk:
     def __init__(self, reference: torch.nn.Module, rungs: Sequence[Rung], batches: Sequence[Any],
                  references: Sequence[Any], gate: Callable[[DType], QualityGate], run: Run,
                  int8_rest: torch.dtype = torch.float32, calibration: Calibration | None = None,
-                 half_must_pay: Collection[DType] = (), int8_memory: sensitivity.Memory | None = None):
+                 half_must_pay: Collection[DType] = (), memory: Memory | None = None, machine: str = ""):
         self.rungs = {rung.name: rung for rung in rungs}
         self.reference = reference
         self.batches = batches
@@ -207,7 +211,9 @@ class _Walk:
         self._screened: dict[DType, plan.Outcome] = {}  # every screen run: int8 asks for bf16's before plan does
         self._int8_choice: sensitivity.Choice | None = None  # the layers int8 takes beyond its rule, measured
         self._int8_by_rule = False  # int8 with the measured layers lost the answers: built again by the rule alone
-        self.int8_memory = int8_memory
+        self.memory = memory
+        self.machine = machine
+        self._weights_key: str | None = None
 
     def attempt(self, step: plan.Step) -> plan.Outcome:
         dtype = DType(step.precision)
@@ -232,7 +238,8 @@ class _Walk:
         """Race two accepted steps of one rung on the warmup batches; record both times; the challenger (int8)
         serves only if it pays (``race.MIN_GAIN``). The loser's forward is dropped."""
         started = time.perf_counter()
-        raced = race.run_race([self.forwards[challenger], self.forwards[rival]], self.batches, self.run)
+        raced = self._race([self.forwards[challenger], self.forwards[rival]],
+                           f"{challenger.rung} {challenger.precision} against {rival.rung} {rival.precision}")
         ms = raced.ms
         pays = race.pays(ms[0], ms[1])
         winner, loser = (challenger, rival) if pays else (rival, challenger)
@@ -309,7 +316,7 @@ class _Walk:
     def _race_fp32_eager(self, model: torch.nn.Module, dtype: DType, screen: Attempt) -> Attempt:
         """``screen`` (passed) with the race of ``model`` in ``dtype`` against fp32 eager on the warmup batches: still
         accepted where the half precision pays (``race.MIN_GAIN``), SLOWER where it does not."""
-        raced = race.run_race([model, self.reference], self.batches, self.run, rounds=SCREEN_ROUNDS)
+        raced = self._race([model, self.reference], f"eager {dtype.value} against eager float32", SCREEN_ROUNDS)
         half_ms, fp32_ms = raced.ms
         timed = (f"{half_ms:.2f} ms eager in {dtype.value} against {fp32_ms:.2f} in float32 (sum of the fastest "
                  f"forward per warmup batch, {len(self.batches)} batches, {SCREEN_ROUNDS} rounds, "
@@ -366,18 +373,17 @@ class _Walk:
 
         quantized = [name for name in linears if name not in candidates]
         try:
-            key = sensitivity.fingerprint(self.reference, [*self.calibration.batches, *batches], candidates,
-                                          quantized, type(gate).__name__, gate.threshold,
-                                          getattr(self.run, "__qualname__", type(self.run).__name__))
-            choice = self.int8_memory.recall(key) if self.int8_memory else None
+            key = self._key("int8 layers", sensitivity.SHARE, sensitivity.OUTLIER_CHANNELS, candidates, quantized,
+                            type(gate).__name__, gate.threshold, batches=[*self.calibration.batches, *batches])
+            choice = self._recall(key, sensitivity.Choice.from_record)
             if choice is None:
                 # Each layer alone is scored on the held-out batches only (the harsher texts), the chosen ones
                 # together on every batch the gate judges.
                 choice = sensitivity.choose(self.reference, candidates, self.calibration.batches,
                                             scorer(batches, references), gate.threshold, quantized=quantized,
                                             score_alone=None if held_out is None else scorer(*held_out))
-                if self.int8_memory:
-                    self.int8_memory.keep(key, choice)
+                if self.memory:
+                    self.memory.keep(key, choice.record())
         except Exception as exc:  # noqa: BLE001 -- measuring is an extra: without it, the rule alone
             logger.warning("int8: measuring the layers kept in float failed (%s); the rule alone decides",
                            summarize(exc), exc_info=True)
@@ -385,6 +391,41 @@ class _Walk:
         logger.info("int8: %s: as they are: %s; with their largest input channels in float: %s", choice.describe(),
                     ", ".join(choice.taken) or "none", ", ".join(choice.split) or "none")
         return choice
+
+    def _race(self, forwards: Sequence[Forward], what: str, rounds: int = race.ROUNDS) -> race.Race:
+        """``race.run_race`` of ``forwards`` on the warmup batches, or the race an earlier load on this machine kept:
+        one whose times were reliable is followed without racing; a busy machine's is raced again, kept over if
+        this race is reliable, followed if not (so workers loading side by side agree)."""
+        key = self._key("race", what, rounds, self.machine, batches=self.batches)
+        earlier = self._recall(key, race.Race.from_record)
+        if earlier is not None and not earlier.disturbed:
+            return earlier
+        raced = race.run_race(forwards, self.batches, self.run, rounds=rounds)
+        if earlier is not None and raced.disturbed:
+            return earlier
+        if self.memory:
+            self.memory.keep(key, raced.record())
+        return raced
+
+    def _recall(self, key: str, parse: Callable[[Mapping[str, Any]], Kept]) -> Kept | None:
+        """What an earlier load kept under ``key``, parsed; None where nothing (readable) was kept."""
+        kept = self.memory.recall(key) if self.memory else None
+        if kept is None:
+            return None
+        try:
+            return parse(kept)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            logger.warning("the remembered record %s is not what this version keeps (%s); measuring again", key,
+                           summarize(exc))
+            return None
+
+    def _key(self, *said: object, batches: Sequence[Any]) -> str:
+        """The memory's key for a decision about this reference model on ``batches``: the weights are hashed once."""
+        if self._weights_key is None:
+            self._weights_key = fingerprint(tensors=self.reference.state_dict().items())
+        run = getattr(self.run, "__qualname__", type(self.run).__name__)
+        return fingerprint(self._weights_key, run, said, [shape_of(batch) for batch in batches],
+                           tensors=batch_tensors(batches))
 
     def _int8_rest(self) -> torch.dtype:
         """The precision int8's float layers run in: bf16 where the ladder tries bf16 and bf16's screen passed (it

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ class Race:
     # cores it may run on that other processes used; None where the kernel does not say.
     wait_share: float | None = None
     other_share: float | None = None
+    remembered: bool = False  # an earlier load's race, read back (``handlers.memory``)
 
     @property
     def disturbed(self) -> bool:
@@ -55,7 +56,19 @@ class Race:
         if self.disturbed:
             said += (f"; other processes used {self.other_share:.0%} of this worker's cores and kept it waiting for "
                      f"a CPU {self.wait_share:.0%} of the quietest try, so the times are unreliable")
+        if self.remembered:
+            said += "; remembered from an earlier load, which this worker follows"
         return said
+
+    def record(self) -> dict[str, Any]:
+        """What ``handlers.memory`` keeps of this race for the next load."""
+        return {"ms": self.ms, "tries": self.tries, "wait_share": self.wait_share, "other_share": self.other_share}
+
+    @classmethod
+    def from_record(cls, saved: Mapping[str, Any]) -> Race:
+        """A race an earlier load kept (``record``); raises KeyError, TypeError or ValueError if it is not one."""
+        shares = [None if saved[name] is None else float(saved[name]) for name in ("wait_share", "other_share")]
+        return cls([float(ms) for ms in saved["ms"]], int(saved["tries"]), *shares, remembered=True)
 
 
 def _busy(wait_share: float | None, other_share: float | None) -> bool:

@@ -19,13 +19,10 @@ Pure torch + torchao (imported only when int8 is built).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,7 +52,7 @@ class Choice:
     seconds: float
     split: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     together: float = 0.0  # what the chosen layers cost the gate together, simulated
-    remembered: bool = False  # read from an earlier load's measurement of the same model and batches (``Memory``)
+    remembered: bool = False  # read back from an earlier load's measurement (``handlers.memory``)
 
     def describe(self) -> str:
         if not self.costs:
@@ -67,48 +64,16 @@ class Choice:
         return (f"{len(chosen)} of the {len(self.costs)} layers kept in float by rule quantized too{split}, measured "
                 f"alone, then together: cost {self.together:.6f} within {self.budget:.6f}, {when}")
 
+    def record(self) -> dict[str, Any]:
+        """What ``handlers.memory`` keeps of this choice for the next load."""
+        return {**dataclasses.asdict(self), "remembered": False}
 
-@dataclass(frozen=True)
-class Memory:
-    """Measured choices kept between loads, one JSON file per ``fingerprint`` in ``directory`` (beside the compile
-    cache): a restarted or added worker reads the choice instead of measuring again. A choice read here is still
-    only a proposal: the real int8 model is judged by the gate as always. Reading or writing never fails a load."""
-
-    directory: Path
-
-    def recall(self, key: str) -> Choice | None:
-        try:
-            saved = json.loads((self.directory / f"{key}.json").read_text(encoding="utf-8"))
-            return Choice(tuple(saved["taken"]), saved["costs"], saved["budget"], saved["seconds"],
-                          {name: tuple(channels) for name, channels in saved["split"].items()}, saved["together"],
-                          remembered=True)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("int8: the remembered measurement %s cannot be read (%s); measuring again", key, exc)
-            return None
-
-    def keep(self, key: str, choice: Choice) -> None:
-        saved = {**dataclasses.asdict(choice), "remembered": False}
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            partial = self.directory / f".{key}.json.partial"
-            partial.write_text(json.dumps(saved), encoding="utf-8")
-            partial.replace(self.directory / f"{key}.json")  # whole or not at all, with workers loading side by side
-        except OSError as exc:
-            logger.warning("int8: the measurement cannot be kept in %s (%s); the next load measures again",
-                           self.directory, exc)
-
-
-def fingerprint(module: torch.nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *said: object) -> str:
-    """What a measurement depends on: the model's weights and buffers, the batches it calibrates and is judged on,
-    and what else is ``said`` (layer names, the gate, versions), with this module's constants."""
-    digest = hashlib.sha256(repr((SHARE, OUTLIER_CHANNELS, torch.__version__, said)).encode())
-    tensors = [*module.state_dict().items(), *((name, tensor) for batch in batches for name, tensor in batch.items())]
-    for name, tensor in tensors:
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:32]
+    @classmethod
+    def from_record(cls, saved: Mapping[str, Any]) -> Choice:
+        """A choice an earlier load kept (``record``); raises KeyError, TypeError or ValueError if it is not one."""
+        return cls(tuple(saved["taken"]), dict(saved["costs"]), float(saved["budget"]), float(saved["seconds"]),
+                   {name: tuple(channels) for name, channels in saved["split"].items()}, float(saved["together"]),
+                   remembered=True)
 
 
 def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequence[Mapping[str, torch.Tensor]],
@@ -120,25 +85,26 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
     first measured alone in two forms, as it is and with its ``OUTLIER_CHANNELS`` largest input channels (on
     ``calibration``) in float, and kept in the cheaper; then the cheapest ones are measured together, the count found
     by halving. ``score_alone`` (by default ``score``) scores the layers alone: fewer batches make the load shorter,
-    and only the layers' order depends on it. ``module`` is not changed: each int8 output is a forward hook's, removed
-    after."""
+    and only the layers' order depends on it. ``module`` is left as it was: a simulated layer stands in for the real
+    one while it is scored, then the real one is put back."""
     started = time.perf_counter()
     if not candidates:
         return Choice((), {}, 0.0, 0.0)
     layers = {name: module.get_submodule(name) for name in [*candidates, *quantized]}
-    outliers = {name: channels[:OUTLIER_CHANNELS] for name, channels in _largest_channels(
-        module, {name: layers[name] for name in candidates}, calibration).items()}
-    plain = _observe_inputs(module, layers, calibration)
-    masked = _observe_inputs(module, {name: layers[name] for name in candidates}, calibration, outliers)
+    plain, channels = _observe_inputs(module, layers, calibration)
+    outliers = {name: channels[name][:OUTLIER_CHANNELS] for name in candidates}
+    masked, _ = _observe_inputs(module, {name: layers[name] for name in candidates}, calibration, outliers)
     anyway = {name: _int8_output(layers[name], *plain[name]) for name in quantized}
 
-    def simulated(hooks: Mapping[str, Callable[..., torch.Tensor]], scorer: Score = score) -> float:
-        handles = [layers[name].register_forward_hook(hook) for name, hook in {**anyway, **hooks}.items()]
+    def simulated(stand_ins: Mapping[str, torch.nn.Module], scorer: Score = score) -> float:
+        swapped = {**anyway, **stand_ins}
+        for name, stand_in in swapped.items():
+            _swap(module, name, stand_in)
         try:
             return scorer(module)
         finally:
-            for handle in handles:
-                handle.remove()
+            for name in swapped:
+                _swap(module, name, layers[name])
 
     best = simulated({})  # the rule's int8 alone
     if not best > threshold:  # it loses the answers already (also NaN, -inf): nothing to spend
@@ -146,17 +112,17 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
     alone_scorer = score_alone or score
     best_alone = best if score_alone is None else simulated({}, alone_scorer)
 
-    def cost(hooks: Mapping[str, Callable[..., torch.Tensor]]) -> float:
-        return best - simulated(hooks)
+    def cost(stand_ins: Mapping[str, torch.nn.Module]) -> float:
+        return best - simulated(stand_ins)
 
     costs, forms = {}, {}
     for name in candidates:
         layer = layers[name]
-        for form, hook in (("plain", _int8_output(layer, *plain[name])),
-                           ("split", _int8_output(layer, *masked[name], outliers[name]))):
-            alone = best_alone - simulated({name: hook}, alone_scorer)
+        for form, stand_in in (("plain", _int8_output(layer, *plain[name])),
+                               ("split", _int8_output(layer, *masked[name], outliers[name]))):
+            alone = best_alone - simulated({name: stand_in}, alone_scorer)
             if name not in costs or alone < costs[name]:  # a tie keeps the plain form: no extra work per call
-                costs[name], forms[name] = alone, (form, hook)
+                costs[name], forms[name] = alone, (form, stand_in)
     budget = share * (best - threshold)
     cheapest = sorted(costs, key=lambda name: (costs[name], name))
     count, spent = _most_within(budget, len(cheapest),
@@ -189,35 +155,24 @@ def _specs() -> tuple[Any, Any]:
     return config.input_activation, config.weight
 
 
-def _largest_channels(module: torch.nn.Module, layers: Mapping[str, torch.nn.Module],
-                      calibration: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
-    """Each layer's input channels, largest absolute value on ``calibration`` first."""
-    largest: dict[str, torch.Tensor] = {}
-
-    def track(name: str) -> Callable[..., None]:
-        def hook(_: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            values = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
-            largest[name] = values if name not in largest else torch.maximum(largest[name], values)
-
-        return hook
-
-    _calibrate(module, {name: track(name) for name in layers}, layers, calibration)
-    return {name: tuple(values.argsort(descending=True).tolist()) for name, values in largest.items()}
-
-
 def _observe_inputs(module: torch.nn.Module, layers: Mapping[str, torch.nn.Module],
-                    calibration: Sequence[Mapping[str, torch.Tensor]],
-                    kept: Mapping[str, Sequence[int]] | None = None) -> dict[str, tuple[float, int]]:
-    """Each layer's input scale and zero point, as the activation spec's observer picks them on ``calibration``;
-    with ``kept`` channels zeroed first (they stay float)."""
+                    calibration: Sequence[Mapping[str, torch.Tensor]], kept: Mapping[str, Sequence[int]] | None = None,
+                    ) -> tuple[dict[str, tuple[float, int]], dict[str, tuple[int, ...]]]:
+    """One pass over ``calibration``: each layer's input scale and zero point, as the activation spec's observer
+    picks them, with ``kept`` channels zeroed first (they stay float); and its input channels, largest absolute value
+    first."""
     spec, _ = _specs()
     observers = {name: spec.observer_or_fake_quant_ctr(dtype=spec.dtype, quant_min=spec.quant_min,
                                                        quant_max=spec.quant_max, qscheme=spec.qscheme)
                  for name in layers}
+    largest: dict[str, torch.Tensor] = {}
 
     def observe(name: str) -> Callable[..., None]:
         def hook(_: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            observers[name](_without(args[0].detach().float(), (kept or {}).get(name, ())))
+            inputs = args[0].detach().float()
+            values = inputs.abs().reshape(-1, inputs.shape[-1]).amax(0)
+            largest[name] = values if name not in largest else torch.maximum(largest[name], values)
+            observers[name](_without(inputs, (kept or {}).get(name, ())))
 
         return hook
 
@@ -226,7 +181,7 @@ def _observe_inputs(module: torch.nn.Module, layers: Mapping[str, torch.nn.Modul
     for name, observer in observers.items():
         scale, zero_point = observer.calculate_qparams()
         qparams[name] = (float(scale), int(zero_point))
-    return qparams
+    return qparams, {name: tuple(values.argsort(descending=True).tolist()) for name, values in largest.items()}
 
 
 def _calibrate(module: torch.nn.Module, hooks: Mapping[str, Callable[..., None]],
@@ -250,9 +205,33 @@ def _without(values: torch.Tensor, channels: Sequence[int]) -> torch.Tensor:
     return values
 
 
-def _int8_output(layer: torch.nn.Module, scale: float, zero_point: int,
-                 kept: Sequence[int] = ()) -> Callable[..., torch.Tensor]:
-    """A forward hook giving ``layer``'s output with its input and weights rounded as static int8 rounds them; the
+def _swap(module: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(module.get_submodule(parent), child, layer)
+
+
+class _Int8Simulated(torch.nn.Module):
+    """Stands in for a linear layer: its output with the input and weights rounded as static int8 rounds them (fake
+    quantization, in float); the input channels ``kept`` stay float (``handlers.quantize.OutlierSplit``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: float, zero_point: int,
+                 kept: Sequence[int], exact: torch.Tensor, quant_range: tuple[int, int]):
+        super().__init__()
+        self.weight, self.bias, self.exact = weight, bias, exact
+        self.scale, self.zero_point, self.kept, self.quant_range = scale, zero_point, list(kept), quant_range
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        values = inputs.float()
+        quantized = torch.fake_quantize_per_tensor_affine(_without(values, self.kept), self.scale, self.zero_point,
+                                                          *self.quant_range)
+        result = torch.nn.functional.linear(quantized, self.weight, self.bias)
+        if self.kept:
+            result = result + torch.nn.functional.linear(values[..., self.kept], self.exact)
+        return result.to(inputs.dtype)
+
+
+def _int8_output(layer: torch.nn.Module, scale: float, zero_point: int, kept: Sequence[int] = ()) -> _Int8Simulated:
+    """A stand-in for ``layer``: its output with its input and weights rounded as static int8 rounds them; the
     input channels ``kept`` stay float (``handlers.quantize.OutlierSplit``)."""
     activation, weight_spec = _specs()
     observer = weight_spec.observer_or_fake_quant_ctr(dtype=weight_spec.dtype, quant_min=weight_spec.quant_min,
@@ -264,14 +243,5 @@ def _int8_output(layer: torch.nn.Module, scale: float, zero_point: int,
     rounded = torch.fake_quantize_per_channel_affine(weight, scales.float(), zero_points.int(), weight_spec.ch_axis,
                                                      weight_spec.quant_min, weight_spec.quant_max)
     exact = layer.weight.detach().float()[:, list(kept)]
-
-    def hook(_: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        inputs = args[0].float()
-        quantized = torch.fake_quantize_per_tensor_affine(_without(inputs, kept), scale, zero_point,
-                                                          activation.quant_min, activation.quant_max)
-        result = torch.nn.functional.linear(quantized, rounded, layer.bias)
-        if kept:
-            result = result + torch.nn.functional.linear(inputs[..., list(kept)], exact)
-        return result.to(output.dtype)
-
-    return hook
+    return _Int8Simulated(rounded, layer.bias, scale, zero_point, kept, exact,
+                          (activation.quant_min, activation.quant_max))

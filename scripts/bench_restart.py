@@ -8,6 +8,8 @@ Three measurements, one run, one fresh compile cache directory:
    READY. It finds the first worker's graphs and kernels in the shared cache directory.
 3. a new host: TorchServe is stopped, the cache directory is copied elsewhere (as a volume mounted into a new
    pod would be) and a new TorchServe starts from the copy; time until READY.
+4. the same from a copy without what the loads measured (``handlers.memory``: the races, int8's choice of layers),
+   so the worker measures again: what remembering them saves.
 
 Each worker's own load time (from the handler's READY log line) is recorded beside the wall-clock times.
 
@@ -25,10 +27,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_common as bc  # noqa: E402
 import package  # noqa: E402
 import tsctl  # noqa: E402
+from handlers.memory import DIRECTORY as MEASURED  # noqa: E402
 
 PORT_SHIFT = 30000  # away from the shipped ports, the tests (+10000) and bench_e2e (+20000)
 MODEL = "minilm"
@@ -54,12 +58,12 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     config = tsctl.shifted_config(tmp, PORT_SHIFT)
     cache = tmp / "cache-host-a"
     rows = []
-    bc.log("1/3 cold start (empty compile cache)")
+    bc.log("1/4 cold start (empty compile cache)")
     server, cold = start_timed(config, store, tmp / "run-a", cache)
     rows.append({"case": "cold start", "ready_seconds": round(cold, 1),
                  "worker_load_seconds": worker_load_seconds(tmp / "run-a")[-1]})
     try:
-        bc.log("2/3 scale-up: a second worker on the same host, shared cache")
+        bc.log("2/4 scale-up: a second worker on the same host, shared cache")
         started = time.monotonic()
         status, body = server.management("PUT", f"/models/{MODEL}?min_worker=2&max_worker=2&synchronous=true",
                                          timeout=900)
@@ -73,11 +77,17 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     volume = tmp / "cache-volume-copy"
     shutil.copytree(cache, volume)
     size_mb = sum(f.stat().st_size for f in volume.rglob("*") if f.is_file()) / 1e6
-    bc.log(f"3/3 new host: a new TorchServe with a copy of the cache ({size_mb:.1f} MB)")
+    bc.log(f"3/4 new host: a new TorchServe with a copy of the cache ({size_mb:.1f} MB)")
     server, warm = start_timed(config, store, tmp / "run-b", volume)
     tsctl.stop(tmp / "run-b")
     rows.append({"case": "new host, cache volume", "ready_seconds": round(warm, 1),
                  "worker_load_seconds": worker_load_seconds(tmp / "run-b")[-1]})
+    bc.log(f"4/4 new host: a copy of the cache without {MEASURED}/ (what the loads measured is measured again)")
+    shutil.copytree(cache, tmp / "cache-volume-unmeasured", ignore=shutil.ignore_patterns(MEASURED))
+    server, unmeasured = start_timed(config, store, tmp / "run-c", tmp / "cache-volume-unmeasured")
+    tsctl.stop(tmp / "run-c")
+    rows.append({"case": "new host, graphs only", "ready_seconds": round(unmeasured, 1),
+                 "worker_load_seconds": worker_load_seconds(tmp / "run-c")[-1]})
     for row in rows:
         row["vs_cold"] = round(row["ready_seconds"] / cold, 2)
         row["cache_mb"] = round(size_mb, 1)
@@ -94,7 +104,7 @@ def main() -> None:
         try:
             rows = measure(args, Path(tmp))
         finally:  # the workers' own timings (per warmup shape), kept beside the results
-            for run in ("run-a", "run-b"):
+            for run in ("run-a", "run-b", "run-c"):
                 log = Path(tmp) / run / "logs" / "model_log.log"
                 if log.is_file():
                     args.out.mkdir(parents=True, exist_ok=True)

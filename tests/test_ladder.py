@@ -16,6 +16,7 @@ from handlers.dynamo_watch import dynamo_counts
 from handlers.guard import GuardedForward, ShapeNotWarmed, is_refused_recompile
 from handlers import race
 from handlers.ladder import AttemptStatus, Calibration, QualityError, run_ladder
+from handlers.memory import Memory
 from handlers.rungs import CompileRung, EagerRung, IpexRung, Rung, build_ladder
 from handlers.ipex import probe_ipex
 from handlers.shapes import AfterReady
@@ -508,6 +509,44 @@ def test_autos_bf16_serves_only_where_its_eager_screen_beats_fp32(batches, slow)
         assert attempts == [("eager", "bfloat16", "passed"), ("compile", "bfloat16", "accepted")]
         assert "and is faster than float32 here" in screen.reason
         assert result.dtype is DType.BFLOAT16
+
+
+def test_workers_of_one_model_follow_the_race_an_earlier_load_kept(batches, tmp_path, monkeypatch):
+    """auto's bf16 screen is a race, and a worker that raced while its siblings loaded beside it timed a busy
+    machine: it could pick the other precision, whose graph no worker compiled. So a load keeps its race (beside the
+    compile cache) and the next load of the same model on the same machine follows it: without racing where its
+    times were reliable; where they were not, a reliable race replaces it and an unreliable one follows it."""
+    memory = Memory(tmp_path / "memory")
+    raced = []
+
+    def serves(outcome, machine="2 cores"):
+        def run_race(*args, **kwargs):
+            assert outcome is not None, "raced again"
+            raced.append(outcome)
+            return outcome
+
+        monkeypatch.setattr(race, "run_race", run_race)
+        result = run_ladder(SmallNet().eval(), (DType.BFLOAT16, DType.FLOAT32), [SlowIn("compile", None, 0),
+                                                                                 EagerRung()],
+                            batches, lambda dtype: CosineGate(0.99), half_must_pay=(DType.BFLOAT16,), memory=memory,
+                            machine=machine)
+        return result.dtype, result.attempts[0].reason
+
+    busy, quiet = (0.5, 0.5), (0.0, 0.0)
+    # The first worker raced on a busy machine and found bf16 slower; the next, as busy, the other way: it follows.
+    assert serves(race.Race([30.0, 10.0], 3, *busy))[0] is DType.FLOAT32
+    dtype, reason = serves(race.Race([5.0, 10.0], 1, *busy))
+    assert dtype is DType.FLOAT32 and "30.00 ms eager in bfloat16 against 10.00 in float32" in reason, reason
+    assert "the times are unreliable; remembered from an earlier load, which this worker follows" in reason
+    # A quiet race replaces the unreliable one, and the next worker follows it without racing.
+    assert serves(race.Race([5.0, 10.0], 1, *quiet))[0] is DType.BFLOAT16
+    dtype, reason = serves(None)
+    assert dtype is DType.BFLOAT16 and reason.endswith("1 try; remembered from an earlier load, which this worker "
+                                                       "follows); faster rungs try it first"), reason
+    assert len(raced) == 3
+    # Another machine (CPU, kernel level, threads) races for itself.
+    assert serves(race.Race([30.0, 10.0], 1, *quiet), machine="4 cores")[0] is DType.FLOAT32
+    assert len(list((tmp_path / "memory").glob("*.json"))) == 2
 
 
 def test_a_named_bf16_is_not_raced_in_its_screen(batches):
