@@ -175,7 +175,7 @@ def run_ladder(
                    calibration=calibration, half_must_pay=half_must_pay, memory=memory, machine=machine)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
                      runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)),
-                     must_pay=[p.value for p in MUST_PAY], faster=ladder.faster)
+                     must_pay=[p.value for p in MUST_PAY], faster=ladder.faster, settled=ladder.settled)
     if step.is_reference:
         planned = DType.FLOAT32 in precisions
         reason = None if planned else (f"no rung kept the answers in {' or '.join(p.value for p in precisions)}; "
@@ -238,14 +238,11 @@ class _Walk:
         """Race two accepted steps of one rung on the warmup batches; record both times; the challenger (int8)
         serves only if it pays (``race.MIN_GAIN``). The loser's forward is dropped."""
         started = time.perf_counter()
-        raced = self._race([self.forwards[challenger], self.forwards[rival]],
-                           f"{challenger.rung} {challenger.precision} against {rival.rung} {rival.precision}")
+        raced = self._race([self.forwards[challenger], self.forwards[rival]], _raced_what(challenger, rival))
         ms = raced.ms
         pays = race.pays(ms[0], ms[1])
         winner, loser = (challenger, rival) if pays else (rival, challenger)
-        timed = (f"{ms[0]:.2f} ms in {challenger.precision} against {ms[1]:.2f} in {rival.precision} (sum of the "
-                 f"fastest forward per warmup batch, {len(self.batches)} batches, {race.ROUNDS} rounds, "
-                 f"{raced.describe()})")
+        timed = self._timed(challenger, rival, raced)
         if pays:
             reasons = {winner: f"faster: {timed}", loser: f"passed the gate, but {challenger.precision} was faster "
                                                            f"here: {timed}"}
@@ -265,6 +262,27 @@ class _Walk:
         log("raced %s (%s) against %s on %s: %s; %s serves, in %.1fs", challenger.precision,
             challenger.rung, rival.precision, rival.rung, timed, winner.precision, _since(started))
         return winner
+
+    def settled(self, challenger: plan.Step, rival: plan.Step) -> bool:
+        """Whether a reliable race that an earlier load on this machine kept found the (accepted) challenger faster
+        than ``rival``: then the challenger serves and the rival is not built, which it would only be to lose."""
+        earlier = self._recall(self._race_key(_raced_what(challenger, rival), race.ROUNDS), race.Race.from_record)
+        if earlier is None or earlier.disturbed or not race.pays(*earlier.ms):
+            return False
+        timed = self._timed(challenger, rival, earlier)
+        index = self._attempt_of[challenger]
+        self.attempts[index] = _replace(self.attempts[index], reason=f"faster: {timed}", forward_ms=earlier.ms[0])
+        self.attempts.append(Attempt(rival.rung, AttemptStatus.SLOWER, f"not built: {challenger.precision} was "
+                                                                        f"faster here: {timed}", 0.0,
+                                     rival.precision, forward_ms=earlier.ms[1]))
+        logger.info("%s (%s) serves: %s; %s on %s not built", challenger.precision, challenger.rung, timed,
+                    rival.precision, rival.rung)
+        return True
+
+    def _timed(self, challenger: plan.Step, rival: plan.Step, raced: race.Race) -> str:
+        return (f"{raced.ms[0]:.2f} ms in {challenger.precision} against {raced.ms[1]:.2f} in {rival.precision} (sum "
+                f"of the fastest forward per warmup batch, {len(self.batches)} batches, {race.ROUNDS} rounds, "
+                f"{raced.describe()})")
 
     def _screen(self, dtype: DType) -> plan.Outcome:
         if dtype not in self._screened:
@@ -396,7 +414,7 @@ class _Walk:
         """``race.run_race`` of ``forwards`` on the warmup batches, or the race an earlier load on this machine kept:
         one whose times were reliable is followed without racing; a busy machine's is raced again, kept over if
         this race is reliable, followed if not (so workers loading side by side agree)."""
-        key = self._key("race", what, rounds, self.machine, batches=self.batches)
+        key = self._race_key(what, rounds)
         earlier = self._recall(key, race.Race.from_record)
         if earlier is not None and not earlier.disturbed:
             return earlier
@@ -406,6 +424,9 @@ class _Walk:
         if self.memory:
             self.memory.keep(key, raced.record())
         return raced
+
+    def _race_key(self, what: str, rounds: int) -> str:
+        return self._key("race", what, rounds, self.machine, batches=self.batches)
 
     def _recall(self, key: str, parse: Callable[[Mapping[str, Any]], Kept]) -> Kept | None:
         """What an earlier load kept under ``key``, parsed; None where nothing (readable) was kept."""
@@ -472,6 +493,10 @@ class _Walk:
             else:
                 self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
         return self._models[dtype]
+
+
+def _raced_what(challenger: plan.Step, rival: plan.Step) -> str:
+    return f"{challenger.rung} {challenger.precision} against {rival.rung} {rival.precision}"
 
 
 def _outcome(attempt: Attempt) -> plan.Outcome:

@@ -13,7 +13,8 @@ precisions come from the YAML's ``dtype``, fastest first; fp32 eager, the refere
 4. A rung that raises, or cannot run here, hands over to the next rung, at the fastest precision.
 5. Eager at a screened precision was proven by its screen; fp32 eager is the reference and always serves.
 6. A precision that must *pay* (int8: it trades answers for speed) and is accepted is raced against the same
-   rung at the next precision that keeps the answers; the faster of the two serves (``faster`` decides).
+   rung at the next precision that keeps the answers; the faster of the two serves (``faster`` decides). Where an
+   earlier load already found it faster (``settled``), the rival is not built.
 
 Pure Python: the ladder (``handlers.ladder``) supplies ``attempt``, which runs a step and says how it went.
 """
@@ -52,12 +53,14 @@ REFERENCE = Step(EAGER, REFERENCE_PRECISION)
 
 def walk(rungs: Sequence[str], precisions: Sequence[str], attempt: Callable[[Step], Outcome],
          runs_in: Callable[[str, str], bool] = lambda rung, precision: True,
-         must_pay: Collection[str] = (), faster: Callable[[Step, Step], Step] | None = None) -> Step:
+         must_pay: Collection[str] = (), faster: Callable[[Step, Step], Step] | None = None,
+         settled: Callable[[Step, Step], bool] = lambda step, rival: False) -> Step:
     """Make the attempts in the ladder's order, each through ``attempt``, until one is accepted; return it.
     ``rungs`` in the configured order, ``precisions`` fastest first; ``runs_in(rung, precision)`` says which
     pairs exist at all. Returns ``REFERENCE`` when no other step is accepted (``attempt`` is never asked to run
     it: the reference needs no proof). An accepted step in a ``must_pay`` precision serves only if
-    ``faster(step, rival)`` picks it over the same rung at the next precision that is accepted (rule 6)."""
+    ``faster(step, rival)`` picks it over the same rung at the next precision that is accepted, or
+    ``settled(step, rival)`` says it is faster without the rival being tried (rule 6)."""
     screened: dict[str, bool] = {}
 
     def allowed(precision: str) -> bool:
@@ -76,7 +79,8 @@ def walk(rungs: Sequence[str], precisions: Sequence[str], attempt: Callable[[Ste
                 continue
             outcome = attempt(step)
             if outcome is Outcome.ACCEPTED:
-                return _raced(step, precisions, attempt, runs_in, allowed, faster) if precision in must_pay else step
+                return (_raced(step, precisions, attempt, runs_in, allowed, faster, settled) if precision in must_pay
+                        else step)
             if outcome is not Outcome.GATE_FAILED:
                 break  # raised or cannot run: the next rung, at the fastest precision
     return REFERENCE
@@ -84,15 +88,18 @@ def walk(rungs: Sequence[str], precisions: Sequence[str], attempt: Callable[[Ste
 
 def _raced(step: Step, precisions: Sequence[str], attempt: Callable[[Step], Outcome],
            runs_in: Callable[[str, str], bool], allowed: Callable[[str], bool],
-           faster: Callable[[Step, Step], Step] | None) -> Step:
+           faster: Callable[[Step, Step], Step] | None, settled: Callable[[Step, Step], bool]) -> Step:
     """``step`` raced against its rival, the same rung at the first later precision that is accepted. Without
-    one (none is, or the rung raised there, which says nothing about speed) ``step`` serves."""
+    one (none is, or the rung raised there, which says nothing about speed) ``step`` serves; so it does where
+    ``settled`` says it won that race before (the rival is then not tried)."""
     if faster is None:
         raise ValueError(f"{step.precision} must pay its way: walk needs faster to judge it")
     for precision in precisions[precisions.index(step.precision) + 1:]:
         if not runs_in(step.rung, precision) or not allowed(precision):
             continue
         rival = Step(step.rung, precision)
+        if settled(step, rival):
+            return step
         outcome = attempt(rival)
         if outcome is Outcome.ACCEPTED:
             return faster(step, rival)

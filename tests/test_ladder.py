@@ -549,6 +549,37 @@ def test_workers_of_one_model_follow_the_race_an_earlier_load_kept(batches, tmp_
     assert len(list((tmp_path / "memory").glob("*.json"))) == 2
 
 
+@pytest.mark.torchao
+def test_int8_that_won_its_race_before_serves_without_compiling_its_rival(net, batches, tmp_path):
+    """The next worker of a model whose int8 won its race on this machine builds int8 and serves it: the rival's
+    compile would only lose (a warm worker's seconds). describe keeps both times, the rival "not built"."""
+    memory = Memory(tmp_path / "memory")
+
+    class Counted(SlowIn):
+        built: list = []
+
+        def apply(self, module, dtype):
+            self.built.append(dtype)
+            return super().apply(module, dtype)
+
+    def load():
+        Counted.built = []
+        result = run_ladder(net, (DType.INT8, DType.FLOAT32), [Counted("compile", DType.FLOAT32, 10), EagerRung()],
+                            batches, int8_gate, memory=memory, machine="2 cores")
+        return result, Counted.built
+
+    first, built = load()
+    assert (first.dtype, built) == (DType.INT8, [DType.INT8, DType.FLOAT32])
+    second, built = load()
+    assert (second.dtype, built) == (DType.INT8, [DType.INT8])
+    int8, rival = second.attempts[-2:]
+    assert [(a.rung, a.dtype, a.status) for a in (int8, rival)] == [("compile", "int8", AttemptStatus.ACCEPTED),
+                                                                     ("compile", "float32", AttemptStatus.SLOWER)]
+    assert (int8.forward_ms, rival.forward_ms) == (first.attempts[-2].forward_ms, first.attempts[-1].forward_ms)
+    assert rival.reason.startswith("not built: int8 was faster here: ") and rival.reason.endswith(
+        "remembered from an earlier load, which this worker follows)"), rival.reason
+
+
 def test_a_named_bf16_is_not_raced_in_its_screen(batches):
     """bf16 the YAML names (not auto's) serves as asked, slower or not: the user may want it for its memory."""
     result = run_ladder(SlowWhen(torch.bfloat16).eval(), (DType.BFLOAT16, DType.FLOAT32),

@@ -103,7 +103,7 @@ def test_a_ladder_without_compile_rungs_never_screens_int8():
                                                                                         "eager@float32")
 
 
-def race(outcomes, winner):
+def race(outcomes, winner, settled=lambda step, rival: False):
     """The walk with int8 bound to pay its way: ``winner`` ("challenger" or "rival") is what ``faster`` says."""
     asked, raced = [], []
 
@@ -116,7 +116,8 @@ def race(outcomes, winner):
         raced.append((f"{challenger.rung}@{challenger.precision}", f"{rival.rung}@{rival.precision}"))
         return challenger if winner == "challenger" else rival
 
-    served = walk(RUNGS, INT8_BF16_FP32, attempt, runs_in=compile_only_int8, must_pay=["int8"], faster=faster)
+    served = walk(RUNGS, INT8_BF16_FP32, attempt, runs_in=compile_only_int8, must_pay=["int8"], faster=faster,
+                  settled=settled)
     return asked, raced, f"{served.rung}@{served.precision}"
 
 
@@ -142,6 +143,25 @@ def test_accepted_int8_is_raced_against_the_same_rung_in_the_next_precision(winn
 def test_the_rival_is_the_first_later_precision_that_passes_on_that_rung(outcomes, rival):
     _, raced, served = race(outcomes, "rival")
     assert [r for _, r in raced] == [rival] and served == rival
+
+
+@pytest.mark.parametrize("won_before", [True, False])
+def test_int8_that_won_the_race_before_serves_without_its_rival_being_built(won_before):
+    """An earlier load's race that int8 won (``settled``, asked with the rival it would race): the rival's compile
+    would only lose, so it is not tried. Where it did not, the race is run as always."""
+    told = []
+
+    def settled(step, rival):
+        told.append((f"{step.rung}@{step.precision}", f"{rival.rung}@{rival.precision}"))
+        return won_before
+
+    asked, raced, served = race({"screen@int8": A, "compile@int8": A, "screen@bfloat16": A, "compile@bfloat16": A},
+                                "rival", settled)
+    assert told == [("compile@int8", "compile@bfloat16")]
+    if won_before:
+        assert (asked, raced, served) == (["screen@int8", "compile@int8", "screen@bfloat16"], [], "compile@int8")
+    else:
+        assert (asked[-1], raced, served) == ("compile@bfloat16", [told[0]], "compile@bfloat16")
 
 
 def test_int8_serves_unraced_where_the_rung_raises_in_the_next_precision():
