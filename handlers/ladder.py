@@ -238,7 +238,7 @@ class _Walk:
         """Race two accepted steps of one rung on the warmup batches; record both times; the challenger (int8)
         serves only if it pays (``race.MIN_GAIN``). The loser's forward is dropped."""
         started = time.perf_counter()
-        raced = self._race([self.forwards[challenger], self.forwards[rival]], _raced_what(challenger, rival))
+        raced = self._race([self.forwards[challenger], self.forwards[rival]], self._raced_what(challenger, rival))
         ms = raced.ms
         pays = race.pays(ms[0], ms[1])
         winner, loser = (challenger, rival) if pays else (rival, challenger)
@@ -266,7 +266,8 @@ class _Walk:
     def settled(self, challenger: plan.Step, rival: plan.Step) -> bool:
         """Whether a reliable race that an earlier load on this machine kept found the (accepted) challenger faster
         than ``rival``: then the challenger serves and the rival is not built, which it would only be to lose."""
-        earlier = self._recall(self._race_key(_raced_what(challenger, rival), race.ROUNDS), race.Race.from_record)
+        earlier = self._recall(self._race_key(self._raced_what(challenger, rival), race.ROUNDS),
+                               race.Race.from_record)
         if earlier is None or earlier.disturbed or not race.pays(*earlier.ms):
             return False
         timed = self._timed(challenger, rival, earlier)
@@ -278,6 +279,16 @@ class _Walk:
         logger.info("%s (%s) serves: %s; %s on %s not built", challenger.precision, challenger.rung, timed,
                     rival.precision, rival.rung)
         return True
+
+    def _raced_what(self, challenger: plan.Step, rival: plan.Step) -> tuple[object, ...]:
+        """What a race of two compiled steps depends on besides the weights, batches and machine: the steps, how
+        the rung compiles (its YAML options), and how int8 was built (the layers it took, its float layers' dtype)."""
+        int8 = None
+        if DType.INT8.value in (challenger.precision, rival.precision):
+            choice = self._int8_layers()
+            taken = () if self._int8_by_rule else (choice.taken, sorted(choice.split.items()))
+            int8 = (self._int8_by_rule, taken, str(self._int8_rest()))
+        return challenger, rival, repr(getattr(self.rungs[challenger.rung], "spec", None)), int8
 
     def _timed(self, challenger: plan.Step, rival: plan.Step, raced: race.Race) -> str:
         return (f"{raced.ms[0]:.2f} ms in {challenger.precision} against {raced.ms[1]:.2f} in {rival.precision} (sum "
@@ -410,7 +421,7 @@ class _Walk:
                     ", ".join(choice.taken) or "none", ", ".join(choice.split) or "none")
         return choice
 
-    def _race(self, forwards: Sequence[Forward], what: str, rounds: int = race.ROUNDS) -> race.Race:
+    def _race(self, forwards: Sequence[Forward], what: object, rounds: int = race.ROUNDS) -> race.Race:
         """``race.run_race`` of ``forwards`` on the warmup batches, or the race an earlier load on this machine kept:
         one whose times were reliable is followed without racing; a busy machine's is raced again, kept over if
         this race is reliable, followed if not (so workers loading side by side agree)."""
@@ -425,7 +436,7 @@ class _Walk:
             self.memory.keep(key, raced.record())
         return raced
 
-    def _race_key(self, what: str, rounds: int) -> str:
+    def _race_key(self, what: object, rounds: int) -> str:
         return self._key("race", what, rounds, self.machine, batches=self.batches)
 
     def _recall(self, key: str, parse: Callable[[Mapping[str, Any]], Kept]) -> Kept | None:
@@ -493,10 +504,6 @@ class _Walk:
             else:
                 self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
         return self._models[dtype]
-
-
-def _raced_what(challenger: plan.Step, rival: plan.Step) -> str:
-    return f"{challenger.rung} {challenger.precision} against {rival.rung} {rival.precision}"
 
 
 def _outcome(attempt: Attempt) -> plan.Outcome:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,9 +49,10 @@ class Memory:
     def keep(self, key: str, record: Mapping[str, Any]) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            partial = self.directory / f".{key}.json.partial"
+            # Whole or not at all, with workers loading side by side: each writes its own file, then renames it.
+            partial = self.directory / f".{key}.{os.getpid()}.partial"
             partial.write_text(json.dumps(record), encoding="utf-8")
-            partial.replace(self.directory / f"{key}.json")  # whole or not at all, with workers loading side by side
+            partial.replace(self.directory / f"{key}.json")
         except OSError as exc:
             logger.warning("a measurement cannot be kept in %s (%s); the next load measures again", self.directory,
                            exc)

@@ -562,10 +562,12 @@ def test_int8_that_won_its_race_before_serves_without_compiling_its_rival(net, b
             self.built.append(dtype)
             return super().apply(module, dtype)
 
-    def load():
+    def load(options=None):
         Counted.built = []
-        result = run_ladder(net, (DType.INT8, DType.FLOAT32), [Counted("compile", DType.FLOAT32, 10), EagerRung()],
-                            batches, int8_gate, memory=memory, machine="2 cores")
+        rung = Counted("compile", DType.FLOAT32, 10)
+        rung.spec = options  # as CompileRung's: what the YAML asks of the compile
+        result = run_ladder(net, (DType.INT8, DType.FLOAT32), [rung, EagerRung()], batches, int8_gate, memory=memory,
+                            machine="2 cores")
         return result, Counted.built
 
     first, built = load()
@@ -578,6 +580,9 @@ def test_int8_that_won_its_race_before_serves_without_compiling_its_rival(net, b
     assert (int8.forward_ms, rival.forward_ms) == (first.attempts[-2].forward_ms, first.attempts[-1].forward_ms)
     assert rival.reason.startswith("not built: int8 was faster here: ") and rival.reason.endswith(
         "remembered from an earlier load, which this worker follows)"), rival.reason
+    # Other compile options (e.g. the C++ wrapper turned off) make other forwards: raced again.
+    _, built = load(options={"cpp_wrapper": False})
+    assert built == [DType.INT8, DType.FLOAT32]
 
 
 def test_a_named_bf16_is_not_raced_in_its_screen(batches):
