@@ -14,6 +14,7 @@ from handlers.ladder import run_ladder
 from handlers.memory import Memory, batch_tensors, fingerprint
 from handlers.rungs import CompileRung, EagerRung
 from handlers.tasks.embeddings import CosineGate
+from tests.test_ladder import SmallNet
 
 
 def test_a_record_is_read_back_and_a_missing_one_is_none(tmp_path):
@@ -51,16 +52,6 @@ def test_the_key_changes_with_every_tensor_byte_shape_and_what_is_said():
     assert [name for name, _ in batch_tensors(batches)] == ["input_ids"]
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.linear(x.to(self.linear.weight.dtype))
-
-
 def test_a_race_record_this_version_cannot_read_is_raced_again(tmp_path, monkeypatch, caplog):
     """A record another version kept (fields renamed) is not a decision: the worker races and keeps its own."""
     memory = Memory(tmp_path)
@@ -74,7 +65,7 @@ def test_a_race_record_this_version_cannot_read_is_raced_again(tmp_path, monkeyp
     monkeypatch.setattr(race, "run_race", run_race)
 
     def load():
-        return run_ladder(Net().eval(), (DType.BFLOAT16, DType.FLOAT32),
+        return run_ladder(SmallNet().eval(), (DType.BFLOAT16, DType.FLOAT32),
                           [CompileRung("compile", CompileSpec(enabled=True, backend="eager")), EagerRung()], batches,
                           lambda dtype: CosineGate(0.99), half_must_pay=(DType.BFLOAT16,), memory=memory,
                           machine="here")
