@@ -9,13 +9,13 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from handlers import calibration, compile_cache, hardware, memory, open_inference
+from handlers import calibration, compile_cache, hardware, length_groups, memory, open_inference
 from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady
@@ -23,7 +23,7 @@ from handlers.guard import GuardedForward
 from handlers.ladder import Attempt, AttemptStatus, Calibration, LadderResult, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
 from handlers.rungs import build_ladder
-from handlers.shapes import ShapePolicy, concat_rows, pad_batch, split_rows, take_rows
+from handlers.shapes import ShapePolicy, concat_rows, gather_rows, pad_batch, split_rows, take_rows
 from handlers.tasks import Task, check_task
 from handlers.tasks.base import Emit, decode_body
 
@@ -83,6 +83,7 @@ class Engine:
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
         self._guard: GuardedForward | None = None
+        self.length_cost: length_groups.CostModel | None = None  # rows of mixed lengths run in groups by it
 
     def load(self) -> None:
         started = time.perf_counter()
@@ -138,6 +139,9 @@ class Engine:
         self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
         self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
+        if self._task.row_outputs:
+            self.length_cost = length_groups.measure(result.forward, batches, synchronize=self._synchronize)
+            logger.info("length groups: %s", self.length_cost.describe() if self.length_cost else "no cost model")
 
     @property
     def active_rung(self) -> str | None:
@@ -251,19 +255,28 @@ class Engine:
 
     def forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """Run the batch at the shape policy's shapes: chunks of at most the largest batch bucket, each padded
-        up to its bucket, outputs sliced back to the real rows."""
+        up to its bucket, outputs sliced back to the real rows. Where the task answers one row per text, the rows
+        run in groups of similar length, each trimmed to its longest, where the cost model says that is cheaper
+        (``handlers.length_groups``); the outputs come back in the batch's order."""
         assert self._guard is not None and self._task is not None
         outputs = []
         mask = inputs.get("attention_mask")
         rows, seq = next(iter(inputs.values())).shape[:2]
         self.last_batch.real_tokens += int(mask.sum()) if mask is not None else rows * seq
-        for chunk in split_rows(inputs, self.shapes.max_batch):
+        groups = None if self.length_cost is None or mask is None else length_groups.row_groups(
+            mask, self.shapes.max_batch, lambda rows, seq: self.length_cost.ms(*self.shapes.serving_shape(rows, seq)))
+        chunks = split_rows(inputs, self.shapes.max_batch) if groups is None else _grouped(inputs, mask, groups)
+        for chunk in chunks:
             rows, seq = next(iter(chunk.values())).shape[:2]
             shape = self.shapes.serving_shape(rows, seq)
             self.last_batch.run_tokens += shape[0] * shape[1]
             padded = pad_batch(chunk, shape, self._task.pad_values)
             outputs.append(take_rows(self._guard(**self._on_device(padded)), rows))
-        return concat_rows(outputs)
+        joined = concat_rows(outputs)
+        if groups is None:
+            return joined
+        order = torch.tensor([row for group in groups for row in group])
+        return gather_rows(joined, torch.empty_like(order).scatter_(0, order, torch.arange(len(order))))
 
     def forward_step(self, **inputs: Any) -> Any:
         """One guarded call at exactly these shapes (a task's loop pads them to a warmed bucket itself)."""
@@ -282,6 +295,10 @@ class Engine:
                                            relative)
         return replace(found, batches=[self._on_device(batch) for batch in found.batches],
                        held_out=[self._on_device(batch) for batch in found.held_out])
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _on_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: tensor.to(self.device) for name, tensor in batch.items()}
@@ -302,6 +319,7 @@ class Engine:
             "requested_compile": self.config.served_compile.describe() if self.config.compile.enabled else None,
             "notes": self.notes,
             "shapes": self.shapes.describe(),
+            "length_groups": self.length_cost.describe() if self.length_cost else None,
             "compile_cache": {**self.cache.describe(), "use_at_load": self.cache_use} if self.cache else None,
             "runtime": self._guard.describe() if self._guard else None,
         }
@@ -316,6 +334,15 @@ class Engine:
             "config_warnings": list(self.config.warnings),
         }
 
+
+
+def _grouped(inputs: Mapping[str, torch.Tensor], mask: torch.Tensor,
+             groups: Sequence[Sequence[int]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Each group's rows of ``inputs``, trimmed to the group's last real token."""
+    for group in groups:
+        index = torch.tensor(group)
+        extent = int(mask.index_select(0, index).ne(0).any(dim=0).nonzero().max()) + 1
+        yield {name: tensor.index_select(0, index)[:, :extent] for name, tensor in inputs.items()}
 
 
 def _picked_by_auto(precisions: Sequence[DType], configured: Sequence[DType]) -> tuple[DType, ...]:

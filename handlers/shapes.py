@@ -142,6 +142,17 @@ def take_rows(output: Any, rows: int) -> Any:
     return output
 
 
+def gather_rows(output: Any, index: torch.Tensor) -> Any:
+    """The rows ``index`` names, in that order, of every tensor in a (nested) output."""
+    if isinstance(output, torch.Tensor):
+        return output.index_select(0, index.to(output.device))
+    if isinstance(output, Mapping):
+        return {key: gather_rows(value, index) for key, value in output.items()}
+    if isinstance(output, (list, tuple)):
+        return type(output)(gather_rows(value, index) for value in output)
+    return output
+
+
 def concat_rows(outputs: Sequence[Any]) -> Any:
     """Join chunk outputs of the same structure along the batch dimension."""
     first = outputs[0]

@@ -59,6 +59,9 @@ class Task(ABC):
     model_class: ClassVar[Any]  # a transformers Auto* class
     default_too_long: ClassVar[TooLong] = TooLong.REJECT  # a text past max_length, unless the YAML says
     open_inference_output: ClassVar[str]  # the v2 output's name where an answer is one tensor
+    # One output row per text, with no sequence axis, that the rows beside it do not change: the engine may then run
+    # a batch's rows in groups of similar length (handlers.length_groups).
+    row_outputs: ClassVar[bool] = False
 
     @classmethod
     def facts(cls) -> TaskFacts:

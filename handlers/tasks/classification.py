@@ -50,6 +50,7 @@ class ScoredClassifier(torch.nn.Module):
 class TextClassificationTask(ScoredTask):
     name = "text-classification"
     open_inference_output = "labels"
+    row_outputs = True  # one score row per text
     model_class = transformers.AutoModelForSequenceClassification
     outputs_are_scores = True  # the module applies the pipeline's softmax / sigmoid itself
 

@@ -74,6 +74,7 @@ class CosineGate(QualityGate):
 class EmbeddingsTask(Task):
     name = "embeddings"
     open_inference_output = "embedding"
+    row_outputs = True  # one pooled vector per text
     model_class = transformers.AutoModel
     default_too_long = TooLong.TRUNCATE  # as sentence-transformers encodes
 

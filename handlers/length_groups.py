@@ -1,0 +1,118 @@
+"""Which rows of a batch run together: sorted by length and cut into groups, each run at its own longest length,
+where the model of the served forward's cost says that is cheaper than one forward padded to the batch's longest.
+
+A batch of texts of mixed lengths is padded to its longest, and every layer computes the padding: at 8-96 words
+about 40 % of a batch's tokens. Run as two or three groups of similar length, the batch computes far fewer tokens,
+for a fixed cost per extra call. How much each costs depends on the CPU (on AMX tiles small matmuls are mostly fixed
+cost, on AVX-512 they scale with their rows), so the cost of a forward is fitted at load from the served forward's
+own times at the warmup shapes (``CostModel.fit``): a fixed part per call, a part per token (the linear layers),
+and a part per token and token of its row (attention). Only for tasks whose answers are one row per text
+(embeddings, text classification), where a row's answer does not depend on the rows beside it.
+
+Pure Python + torch (least squares); no TorchServe import.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Fewer distinct warmup shapes than this leave the three parts undetermined: no model, no grouping.
+MIN_SHAPES = 3
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Milliseconds of one forward at (rows, seq): ``fixed_ms + rows * seq * (token_ms + seq * pair_ms)``."""
+
+    fixed_ms: float
+    token_ms: float
+    pair_ms: float
+    worst_error: float = 0.0  # the largest relative error of the fit on the shapes it was fitted to
+
+    def ms(self, rows: int, seq: int) -> float:
+        return self.fixed_ms + rows * seq * (self.token_ms + seq * self.pair_ms)
+
+    @classmethod
+    def fit(cls, timings: Sequence[tuple[int, int, float]]) -> CostModel | None:
+        """The model that fits (rows, seq, ms) best in relative error, every part at least 0 (each subset of the
+        parts is fitted, the best one whose parts are all >= 0 kept); None with fewer than ``MIN_SHAPES`` shapes."""
+        shapes = {(rows, seq) for rows, seq, _ in timings}
+        if len(shapes) < MIN_SHAPES or any(not ms > 0 for _, _, ms in timings):
+            return None
+        terms = torch.tensor([[1.0, rows * seq, rows * seq * seq] for rows, seq, _ in timings], dtype=torch.float64)
+        times = torch.tensor([ms for _, _, ms in timings], dtype=torch.float64)
+        best: tuple[float, list[float]] | None = None
+        for used in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (1, 2, 3)):
+            weighted = terms[:, list(used)] / times[:, None]  # relative error: a 2 ms shape counts as a 200 ms one
+            solved = torch.linalg.lstsq(weighted, torch.ones_like(times)).solution
+            if bool((solved < 0).any()):
+                continue
+            parts = [0.0, 0.0, 0.0]
+            for index, value in zip(used, solved.tolist(), strict=True):
+                parts[index] = value
+            error = float(((terms @ torch.tensor(parts, dtype=torch.float64)) / times - 1).abs().max())
+            if best is None or error < best[0]:
+                best = (error, parts)
+        assert best is not None  # the fixed part alone always solves to the mean time, > 0
+        return cls(*best[1], worst_error=best[0])
+
+    def describe(self) -> dict[str, Any]:
+        return {"fixed_ms": round(self.fixed_ms, 4), "token_ms": round(self.token_ms, 6),
+                "pair_ms": round(self.pair_ms, 9), "worst_error": round(self.worst_error, 3)}
+
+
+def groups(lengths: Sequence[int], most_rows: int, cost: Callable[[int, int], float]) -> list[list[int]]:
+    """Row indices in groups of at most ``most_rows`` rows, each group run at its longest length: rows sorted by
+    length, cut where the summed ``cost(rows, longest)`` of the groups is least (dynamic programming over the cuts).
+    Ties keep fewer, larger groups."""
+    order = sorted(range(len(lengths)), key=lambda row: (lengths[row], row))
+    least = [0.0] + [math.inf] * len(order)
+    cut = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        for start in range(max(0, end - most_rows), end):
+            total = least[start] + cost(end - start, lengths[order[end - 1]])
+            if total < least[end]:
+                least[end], cut[end] = total, start
+    found, end = [], len(order)
+    while end > 0:
+        found.append(order[cut[end]:end])
+        end = cut[end]
+    return found[::-1]
+
+
+def row_groups(mask: torch.Tensor, most_rows: int, cost: Callable[[int, int], float]) -> list[list[int]] | None:
+    """``groups`` of a batch by its [rows, seq] attention mask, each row's length its extent (its last real token
+    + 1: its length where padding is on the right, the whole row where it is on the left, so trimming a group to its
+    longest never cuts a token); None for a single row."""
+    if mask.dim() != 2 or mask.shape[0] < 2:
+        return None
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    extents = (mask.ne(0) * positions).amax(dim=1).clamp(min=1)
+    return groups(extents.tolist(), most_rows, cost)
+
+
+def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 2,
+            synchronize: Callable[[], None] = lambda: None) -> CostModel | None:
+    """The cost model of ``forward`` (already warm at these shapes): its fastest of ``calls`` at each batch of named
+    [rows, seq] tensors, fitted; None where the batches are not such mappings or too few shapes."""
+    timings = []
+    with torch.inference_mode():
+        for batch in batches:
+            if not isinstance(batch, Mapping) or not batch:
+                return None
+            rows, seq = next(iter(batch.values())).shape[:2]
+            fastest = math.inf
+            for _ in range(calls):
+                started = time.perf_counter()
+                forward(**batch)
+                synchronize()
+                fastest = min(fastest, (time.perf_counter() - started) * 1000)
+            timings.append((rows, seq, fastest))
+    return CostModel.fit(timings)

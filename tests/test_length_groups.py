@@ -1,0 +1,85 @@
+"""Rows of mixed lengths run in groups of similar length (handlers.length_groups): the grouping, the cost model fitted
+from the served forward's times, and the engine answering exactly as one padded batch would, in the batch's order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handlers.length_groups import CostModel, groups, measure, row_groups
+from tests.test_embeddings import make_engine
+
+
+def test_rows_are_grouped_by_length_where_the_padding_costs_more_than_another_call():
+    lengths = [120, 12, 118, 15, 60, 14, 121, 58]
+    found = groups(lengths, 8, CostModel(fixed_ms=30.0, token_ms=1.0, pair_ms=0.0).ms)  # a call: 30 tokens' worth
+    assert sorted(row for group in found for row in group) == list(range(8))  # every row once
+    assert [[lengths[row] for row in group] for group in found] == [[12, 14, 15], [58, 60], [118, 120, 121]]
+    # A fixed cost far above the padding's: one call for the whole batch.
+    assert groups(lengths, 8, CostModel(10_000.0, 1.0, 0.0).ms) == [[1, 5, 3, 7, 4, 2, 0, 6]]
+    # Even lengths never split; and no group has more than most_rows rows.
+    assert groups([30] * 6, 8, CostModel(1.0, 1.0, 0.0).ms) == [list(range(6))]
+    assert [len(group) for group in groups([30] * 6, 4, CostModel(1.0, 1.0, 0.0).ms)] == [2, 4]
+
+
+def test_the_model_is_fitted_from_times_at_the_warmup_shapes():
+    true = CostModel(fixed_ms=1.8, token_ms=0.03, pair_ms=0.0001)
+    shapes = [(1, 16), (1, 64), (1, 256), (8, 16), (8, 64), (8, 256)]
+    fitted = CostModel.fit([(rows, seq, true.ms(rows, seq)) for rows, seq in shapes])
+    assert fitted.fixed_ms == pytest.approx(1.8, rel=1e-6) and fitted.token_ms == pytest.approx(0.03, rel=1e-6)
+    assert fitted.pair_ms == pytest.approx(0.0001, rel=1e-6) and fitted.worst_error < 1e-9
+    # A part that would fit below 0 is left out rather than given a negative cost.
+    bent = CostModel.fit([(rows, seq, 5.0 + 0.01 * rows * seq - 1e-6 * rows * seq * seq) for rows, seq in shapes])
+    assert bent is not None and min(bent.fixed_ms, bent.token_ms, bent.pair_ms) >= 0 and bent.pair_ms == 0
+    assert CostModel.fit([(1, 16, 2.0), (8, 16, 5.0)]) is None  # two shapes cannot fix three parts
+
+
+def test_a_row_padded_on_the_left_is_never_trimmed():
+    right = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    left = right.flip(1)
+    per_token = CostModel(0.0, 1.0, 0.0).ms
+    assert row_groups(right, 8, per_token) == [[2], [0], [1]]
+    assert row_groups(left, 8, per_token) == [[0, 1, 2]]  # every extent is the whole row
+    assert row_groups(right[:1], 8, per_token) is None
+
+
+def test_measure_times_each_shape_and_refuses_what_it_cannot_time():
+    calls = []
+
+    def forward(x):
+        calls.append(tuple(x.shape))
+
+    shapes = [(1, 16), (1, 64), (4, 16), (4, 64)]
+    model = measure(forward, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes], calls=2)
+    assert model is not None and calls == [shape for shape in shapes for _ in range(2)]
+    assert measure(forward, ["a task's own batch"]) is None
+
+
+@pytest.fixture(scope="module")
+def grouping_engine(tiny_bert_dir):
+    engine = make_engine(tiny_bert_dir, {"pt2_handlers": {
+        "ladder": ["eager"], "dtype": "float32", "max_inputs_per_request": 8,
+        "shapes": {"policy": "dynamic", "batch_sizes": [1, 4], "seq_lengths": [8, 16, 32]}}})
+    engine.load()
+    return engine
+
+
+def test_the_engine_answers_grouped_rows_as_one_padded_batch_would_in_order(grouping_engine):
+    engine = grouping_engine
+    assert engine.length_cost is not None  # fitted at load from the 6 warmup shapes
+    assert engine.describe()["optimization"]["length_groups"] == engine.length_cost.describe()
+    texts = ["short", "a much longer text about serving embedding models with compile on", "mid sized text here",
+             "tiny", "another rather long sentence that needs many more tokens than the others do", "x y"]
+    fitted = engine.length_cost
+    try:
+        engine.length_cost = None
+        [whole] = engine.predict([{"inputs": texts}])
+        padded = engine.last_batch.run_tokens
+        engine.length_cost = CostModel(0.0, 1.0, 0.0)  # no cost per call: every length its own group
+        [grouped] = engine.predict([{"inputs": texts}])
+    finally:
+        engine.length_cost = fitted
+    torch.testing.assert_close(torch.tensor(grouped["embeddings"]), torch.tensor(whole["embeddings"]), atol=1e-5,
+                               rtol=1e-4)
+    assert engine.last_batch.run_tokens < padded
+    assert engine.last_batch.real_tokens <= engine.last_batch.run_tokens
