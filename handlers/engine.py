@@ -139,7 +139,7 @@ class Engine:
         self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
         self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
-        if self._task.row_outputs:
+        if self._task.row_outputs and self.shapes.length_groups:
             self.length_cost = length_groups.measure(result.forward, batches, synchronize=self._synchronize)
             logger.info("length groups: %s", self.length_cost.describe() if self.length_cost else "no cost model")
 

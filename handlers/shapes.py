@@ -52,6 +52,7 @@ class ShapePolicy:
     # chosen at load from the precision served (``for_precision``): HALF_SEQ_MULTIPLE in bf16/fp16, 1 in fp32.
     seq_multiple: int | None = None
     max_length: int | None = None  # the model's (``fitted``): rounding never pads past it
+    length_groups: bool = True  # rows of mixed lengths may run in groups (handlers.length_groups)
 
     @property
     def dynamic(self) -> bool:
@@ -94,6 +95,8 @@ class ShapePolicy:
                      "seq_lengths": list(self.seq_lengths), "after_ready": self.after_ready.value}
         if self.kind is PolicyKind.DYNAMIC:
             described["seq_multiple"] = self.seq_multiple
+        if not self.length_groups:
+            described["length_groups"] = False
         return described
 
 

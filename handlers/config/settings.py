@@ -43,6 +43,11 @@ class ShapesSection(Section):
     16 in bf16/fp16, where oneDNN keeps a kernel per matmul shape (exact lengths grew a worker by hundreds of MB), and
     1 in fp32, where MKL keeps nothing per shape."""
 
+    length_groups: bool = True
+    """Tasks that answer one row per text (embeddings, text classification): run a batch's rows in groups of similar
+    length, each padded only to its own longest, where a cost model fitted at load says that is faster than one
+    forward padded to the batch's longest. `false`: every batch as one padded forward."""
+
     @field_validator("policy")
     @classmethod
     def _policy_agrees_with_compile(cls, policy: PolicyKind, info: ValidationInfo) -> PolicyKind:
@@ -73,7 +78,8 @@ def shape_policy(section: ShapesSection, defaults: ShapePolicy, compile_dynamic:
     return ShapePolicy(kind=section.policy or _implied_policy(compile_dynamic),
                        batch_sizes=tuple(section.batch_sizes or defaults.batch_sizes),
                        seq_lengths=tuple(section.seq_lengths or defaults.seq_lengths),
-                       after_ready=section.after_ready, seq_multiple=section.seq_multiple)
+                       after_ready=section.after_ready, seq_multiple=section.seq_multiple,
+                       length_groups=section.length_groups)
 
 
 def _gate_thresholds_model() -> type[BaseModel]:
