@@ -9,22 +9,31 @@ own times at the warmup shapes (``CostModel.fit``): a fixed part per call, a par
 and a part per token and token of its row (attention). Only for tasks whose answers are one row per text
 (embeddings, text classification), where a row's answer does not depend on the rows beside it.
 
-Pure Python + torch (least squares); no TorchServe import.
+Pure Python + torch (least squares, and the race's timing); no TorchServe import.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from handlers import race
+
+logger = logging.getLogger(__name__)
+
 # Fewer distinct warmup shapes than this leave the three parts undetermined: no model, no grouping.
 MIN_SHAPES = 3
+# A fit whose worst relative error at the shapes it was fitted to is larger says the times were not the forward's
+# alone (quiet fits of MiniLM on CPU D: 2-9 %; one timed while three archives compiled beside it: 61 %).
+MAX_FIT_ERROR = 0.25
+# How long the timing waits out a busy machine (``handlers.race``), shorter than a race: grouping is only a speed-up.
+PATIENCE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -98,21 +107,26 @@ def row_groups(mask: torch.Tensor, most_rows: int, cost: Callable[[int, int], fl
     return groups(extents.tolist(), most_rows, cost)
 
 
-def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 2,
-            synchronize: Callable[[], None] = lambda: None) -> CostModel | None:
+def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
+            synchronize: Callable[[], None] = lambda: None, patience_s: float = PATIENCE_S) -> CostModel | None:
     """The cost model of ``forward`` (already warm at these shapes): its fastest of ``calls`` at each batch of named
-    [rows, seq] tensors, fitted; None where the batches are not such mappings or too few shapes."""
-    timings = []
-    with torch.inference_mode():
-        for batch in batches:
-            if not isinstance(batch, Mapping) or not batch:
-                return None
-            rows, seq = next(iter(batch.values())).shape[:2]
-            fastest = math.inf
-            for _ in range(calls):
-                started = time.perf_counter()
-                forward(**batch)
-                synchronize()
-                fastest = min(fastest, (time.perf_counter() - started) * 1000)
-            timings.append((rows, seq, fastest))
-    return CostModel.fit(timings)
+    [rows, seq] tensors, timed as the ladder's races are (``handlers.race``: run again while other processes keep
+    this worker waiting, for up to ``patience_s``), and fitted. None where the batches are not such mappings, the
+    machine stayed busy, or the times do not fit the model (``MAX_FIT_ERROR``): then every batch runs as one."""
+    if not batches or not all(isinstance(batch, Mapping) and batch for batch in batches):
+        return None
+
+    def call(batch: Mapping[str, torch.Tensor], _: Any) -> None:
+        forward(**batch)
+        synchronize()
+
+    raced = race.run_race(list(batches), [None], call, rounds=calls, patience_s=patience_s)
+    if raced.disturbed:
+        logger.info("length groups: no cost model, the machine stayed busy while timing it (%s)", raced.describe())
+        return None
+    model = CostModel.fit([(*next(iter(batch.values())).shape[:2], ms) for batch, ms in zip(batches, raced.ms,
+                                                                                            strict=True)])
+    if model is not None and model.worst_error > MAX_FIT_ERROR:
+        logger.info("length groups: no cost model, the times do not fit one (%s)", model.describe())
+        return None
+    return model
