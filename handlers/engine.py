@@ -140,7 +140,12 @@ class Engine:
         self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
         if self._task.row_outputs and self.shapes.length_groups:
-            self.length_cost = length_groups.measure(result.forward, batches, synchronize=self._synchronize)
+            # Kept beside the compile cache for the next worker of this forward on this machine, as the races are.
+            kept = memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None
+            served = (result.active, result.dtype.value, repr(self.config.served_compile), self.shapes.describe(),
+                      hardware.machine(self.device, self.threads.value))
+            self.length_cost = length_groups.measure(result.forward, batches, synchronize=self._synchronize,
+                                                     kept=kept, served=served, weights=reference)
             logger.info("length groups: %s", self.length_cost.describe() if self.length_cost else "no cost model")
 
     @property

@@ -18,12 +18,14 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from handlers import race
+from handlers.memory import Memory, batch_tensors, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +110,27 @@ def row_groups(mask: torch.Tensor, most_rows: int, cost: Callable[[int, int], fl
 
 
 def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
-            synchronize: Callable[[], None] = lambda: None, patience_s: float = PATIENCE_S) -> CostModel | None:
+            synchronize: Callable[[], None] = lambda: None, patience_s: float = PATIENCE_S,
+            kept: Memory | None = None, served: object = (), weights: torch.nn.Module | None = None,
+            ) -> CostModel | None:
     """The cost model of ``forward`` (already warm at these shapes): its fastest of ``calls`` at each batch of named
     [rows, seq] tensors, timed as the ladder's races are (``handlers.race``: run again while other processes keep
-    this worker waiting, for up to ``patience_s``), and fitted. None where the batches are not such mappings, the
-    machine stayed busy, or the times do not fit the model (``MAX_FIT_ERROR``): then every batch runs as one."""
+    this worker waiting, for up to ``patience_s``), and fitted. A model an earlier load kept in ``kept`` for the same
+    forward (``served``: rung, precision, options, machine; the ``weights`` and batches) is read instead; a new one is
+    kept there. None where the batches are not such mappings, the machine stayed busy, or the times do not fit the
+    model (``MAX_FIT_ERROR``): then every batch runs as one."""
     if not batches or not all(isinstance(batch, Mapping) and batch for batch in batches):
         return None
+    key = None
+    if kept is not None:
+        weights_key = fingerprint(tensors=weights.state_dict().items()) if weights is not None else None
+        key = fingerprint("length groups", weights_key, served, tensors=batch_tensors(batches))
+        earlier = kept.recall(key)
+        if earlier is not None:
+            try:
+                return CostModel(**earlier)
+            except TypeError:
+                logger.warning("length groups: the kept cost model %s is not one; timing again", key)
 
     def call(batch: Mapping[str, torch.Tensor], _: Any) -> None:
         forward(**batch)
@@ -129,4 +145,6 @@ def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
     if model is not None and model.worst_error > MAX_FIT_ERROR:
         logger.info("length groups: no cost model, the times do not fit one (%s)", model.describe())
         return None
+    if model is not None and kept is not None and key is not None:
+        kept.keep(key, dataclasses.asdict(model))
     return model

@@ -3,6 +3,8 @@ from the served forward's times, and the engine answering exactly as one padded 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -43,11 +45,17 @@ def test_a_row_padded_on_the_left_is_never_trimmed():
     assert row_groups(right[:1], 8, per_token) is None
 
 
+def sleep_like_a_model(x):
+    """A forward that costs what the model says: 2 ms a call and 0.05 ms a token."""
+    time.sleep((2 + 0.05 * x.shape[0] * x.shape[1]) / 1000)
+
+
 def test_measure_times_each_shape_and_refuses_what_it_cannot_time():
     calls = []
 
     def forward(x):
         calls.append(tuple(x.shape))
+        sleep_like_a_model(x)
 
     shapes = [(1, 16), (1, 64), (4, 16), (4, 64)]
     model = measure(forward, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes], calls=2)
@@ -68,6 +76,27 @@ def test_times_that_fit_no_cost_model_give_none(monkeypatch):
     monkeypatch.setattr(race, "run_race", lambda forwards, *args, **kwargs: race.Race([1.0] * len(forwards), 3,
                                                                                       0.5, 0.5))
     assert measure(lambda x: None, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes]) is None  # stayed busy
+
+
+def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
+    """A quiet worker's model is kept beside the compile cache; the next worker of the same forward reads it (a busy
+    one could not time its own), and another forward (other options, another machine) times its own."""
+    from handlers.memory import Memory
+
+    kept = Memory(tmp_path)
+    calls = []
+
+    def forward(x):
+        calls.append(x.shape)
+        sleep_like_a_model(x)
+
+    batches = [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16), (4, 64)]]
+    first = measure(forward, batches, calls=1, kept=kept, served=("compile", "int8"))
+    assert first is not None and len(calls) == 4 and len(list(tmp_path.glob("*.json"))) == 1
+    assert measure(forward, batches, kept=kept, served=("compile", "int8")) == first
+    assert len(calls) == 4  # read, not timed
+    measure(forward, batches, calls=1, kept=kept, served=("compile", "float32"))
+    assert len(calls) == 8 and len(list(tmp_path.glob("*.json"))) == 2
 
 
 @pytest.fixture(scope="module")
