@@ -343,12 +343,14 @@ class Engine:
 
 def _grouped(inputs: Mapping[str, torch.Tensor], mask: torch.Tensor,
              groups: Sequence[Sequence[int]]) -> Iterator[dict[str, torch.Tensor]]:
-    """Each group's rows of ``inputs``, trimmed to the group's last real token; contiguous, as the compiled graph
-    was traced with (a view's strides would fail its guards, and the batch would be served eagerly)."""
+    """Each group's rows of ``inputs``, trimmed to the group's last real token, in fresh tensors with the strides
+    the compiled graph was traced with: a view's would fail its guards and the batch would be served eagerly (a
+    one-row view counts as contiguous, so ``.contiguous()`` keeps its strides; a clone does not)."""
     for group in groups:
         index = torch.tensor(group)
         extent = int(mask.index_select(0, index).ne(0).any(dim=0).nonzero().max()) + 1
-        yield {name: tensor.index_select(0, index)[:, :extent].contiguous() for name, tensor in inputs.items()}
+        yield {name: tensor.index_select(0, index)[:, :extent].clone(memory_format=torch.contiguous_format)
+               for name, tensor in inputs.items()}
 
 
 def _picked_by_auto(precisions: Sequence[DType], configured: Sequence[DType]) -> tuple[DType, ...]:
