@@ -136,7 +136,11 @@ def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
         forward(**batch)
         synchronize()
 
-    raced = race.run_race(list(batches), [None], call, rounds=calls, patience_s=patience_s)
+    try:
+        raced = race.run_race(list(batches), [None], call, rounds=calls, patience_s=patience_s)
+    except Exception as exc:  # noqa: BLE001 -- grouping is only a speed-up: a forward that fails here never fails a load
+        logger.warning("length groups: no cost model, timing the forward failed: %s: %s", type(exc).__name__, exc)
+        return None
     if raced.disturbed:
         logger.info("length groups: no cost model, the machine stayed busy while timing it (%s)", raced.describe())
         return None

@@ -78,6 +78,13 @@ def test_times_that_fit_no_cost_model_give_none(monkeypatch):
     assert measure(lambda x: None, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes]) is None  # stayed busy
 
 
+def test_a_forward_that_fails_while_timed_gives_no_model_and_no_failed_load():
+    def fails(x):
+        raise RuntimeError("a kernel that breaks at this shape")
+
+    assert measure(fails, [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16)]]) is None
+
+
 def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
     """A quiet worker's model is kept beside the compile cache; the next worker of the same forward reads it (a busy
     one could not time its own), and another forward (other options, another machine) times its own."""
