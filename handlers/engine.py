@@ -9,7 +9,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -270,7 +270,8 @@ class Engine:
         self.last_batch.real_tokens += int(mask.sum()) if mask is not None else rows * seq
         groups = None if self.length_cost is None or mask is None else length_groups.row_groups(
             mask, self.shapes.max_batch, lambda rows, seq: self.length_cost.ms(*self.shapes.serving_shape(rows, seq)))
-        chunks = split_rows(inputs, self.shapes.max_batch) if groups is None else _grouped(inputs, mask, groups)
+        chunks = split_rows(inputs, self.shapes.max_batch) if groups is None else length_groups.take_groups(
+            inputs, mask, groups)
         for chunk in chunks:
             rows, seq = next(iter(chunk.values())).shape[:2]
             shape = self.shapes.serving_shape(rows, seq)
@@ -339,18 +340,6 @@ class Engine:
             "config_warnings": list(self.config.warnings),
         }
 
-
-
-def _grouped(inputs: Mapping[str, torch.Tensor], mask: torch.Tensor,
-             groups: Sequence[Sequence[int]]) -> Iterator[dict[str, torch.Tensor]]:
-    """Each group's rows of ``inputs``, trimmed to the group's last real token, in fresh tensors with the strides
-    the compiled graph was traced with: a view's would fail its guards and the batch would be served eagerly (a
-    one-row view counts as contiguous, so ``.contiguous()`` keeps its strides; a clone does not)."""
-    for group in groups:
-        index = torch.tensor(group)
-        extent = int(mask.index_select(0, index).ne(0).any(dim=0).nonzero().max()) + 1
-        yield {name: tensor.index_select(0, index)[:, :extent].clone(memory_format=torch.contiguous_format)
-               for name, tensor in inputs.items()}
 
 
 def _picked_by_auto(precisions: Sequence[DType], configured: Sequence[DType]) -> tuple[DType, ...]:

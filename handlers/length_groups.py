@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +107,18 @@ def row_groups(mask: torch.Tensor, most_rows: int, cost: Callable[[int, int], fl
     positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
     extents = (mask.ne(0) * positions).amax(dim=1).clamp(min=1)
     return groups(extents.tolist(), most_rows, cost)
+
+
+def take_groups(inputs: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                groups: Sequence[Sequence[int]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Each group's rows of ``inputs``, trimmed to the group's last real token, in fresh tensors with the strides
+    the compiled graph was traced with: a view's would fail its guards and the batch would be served eagerly (a
+    one-row view counts as contiguous, so ``.contiguous()`` keeps its strides; a clone does not)."""
+    for group in groups:
+        index = torch.tensor(group)
+        extent = int(mask.index_select(0, index).ne(0).any(dim=0).nonzero().max()) + 1
+        yield {name: tensor.index_select(0, index)[:, :extent].clone(memory_format=torch.contiguous_format)
+               for name, tensor in inputs.items()}
 
 
 def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from handlers.length_groups import CostModel, groups, measure, row_groups
+from handlers.length_groups import CostModel, groups, measure, row_groups, take_groups
 from tests.test_embeddings import make_engine
 
 
@@ -139,11 +139,9 @@ def test_the_engine_answers_grouped_rows_as_one_padded_batch_would_in_order(grou
 def test_each_group_runs_in_fresh_tensors_with_the_strides_the_graph_was_traced_with():
     """A one-row slice of a wider batch counts as contiguous but keeps the batch's row stride; the compiled graph
     guards on strides, so such a group was served eagerly (seen: a 1x202 group of a batch padded to 256)."""
-    from handlers.engine import _grouped
-
     mask = torch.tensor([[1] * 3 + [0] * 5, [1] * 8, [1] * 5 + [0] * 3])
     inputs = {"input_ids": torch.arange(24).reshape(3, 8), "attention_mask": mask}
-    chunks = list(_grouped(inputs, mask, [[0], [2, 1]]))
+    chunks = list(take_groups(inputs, mask, [[0], [2, 1]]))
     assert [tuple(chunk["input_ids"].shape) for chunk in chunks] == [(1, 3), (2, 8)]
     assert all(tensor.stride() == (tensor.shape[1], 1) for chunk in chunks for tensor in chunk.values())
     assert chunks[1]["input_ids"].tolist() == [inputs["input_ids"][2].tolist(), inputs["input_ids"][1].tolist()]
