@@ -16,6 +16,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from handlers.config import CompileSpec, DType, HandlerConfig, RungName
+from handlers import prepacked_cache
 from handlers.ipex import IPEX_BACKEND, probe_ipex
 
 Forward = Callable[..., Any]
@@ -110,11 +111,12 @@ def _freezing_while_traced(compiled: Forward) -> Forward:
     """Inductor freezing that takes effect. ``torch.compile(options={"freezing": True})`` alone does nothing
     (torch 2.13): dynamo reads the global ``torch._inductor.config.freezing`` while it traces, before the options
     apply, and lifts the weights to graph inputs, which inductor cannot freeze. The flag is set around every call,
-    since any call may trace (the warmup, or a new shape after READY); ~13 us each."""
+    since any call may trace (the warmup, or a new shape after READY), and so is the compile cache's leave to keep
+    a graph with prepacked weights (``prepacked_cache``); ~13 us each."""
     from torch._inductor import config as inductor_config  # imports dynamo: not before the cache dir is set
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with inductor_config.patch(freezing=True):
+        with inductor_config.patch(freezing=True), prepacked_cache.keyed_by_metadata():
             return compiled(*args, **kwargs)
 
     return forward

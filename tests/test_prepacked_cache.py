@@ -1,0 +1,95 @@
+"""A frozen int8 graph (oneDNN-prepacked weights) is kept in inductor's FX graph cache and loaded from it, with the
+weights of the model being compiled, never those of the model that filled the cache. Real inductor, real PT2E
+int8, a small model, a private cache directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from handlers import prepacked_cache, quantize
+from handlers.config import CompileSpec, DType
+from handlers.rungs import CompileRung
+
+FEATURES, HIDDEN = 64, 128
+EXAMPLES = [{"inputs": torch.randn(rows, FEATURES, generator=torch.Generator().manual_seed(rows))} for rows in (4, 8)]
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self, flipped: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(FEATURES, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, FEATURES)
+        if flipped:  # other weights, the same quantization scales (symmetric per channel), so the same cache key
+            with torch.no_grad():
+                self.down.weight.neg_()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(inputs)))
+
+
+def _compiled_int8(flipped: bool) -> tuple[torch.nn.Module, object]:
+    module = quantize.static_int8(TwoLayers(flipped).eval(), EXAMPLES, keep_float=lambda name, layer: False)
+    return module, CompileRung("compile", CompileSpec(enabled=True, backend="inductor")).apply(module, DType.INT8)
+
+
+def _graph_cache_use() -> dict[str, int]:
+    return {outcome: counters["inductor"][f"fxgraph_cache_{outcome}"] for outcome in ("hit", "miss", "bypass")}
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.torchao
+def test_a_frozen_int8_graph_is_cached_and_loaded_with_the_weights_being_compiled(private_cache):
+    inputs = EXAMPLES[1]
+    counters.clear()
+    first, compiled = _compiled_int8(flipped=False)
+    with torch.no_grad():
+        served_first = compiled(**inputs)
+        torch.testing.assert_close(served_first, first(**inputs), atol=0.05, rtol=0.05)
+    assert _graph_cache_use() == {"hit": 0, "miss": 1, "bypass": 0}  # stored, not bypassed for its oneDNN weights
+
+    torch._dynamo.reset()  # a new worker: nothing compiled in memory, the cache on disk
+    counters.clear()
+    other, compiled_again = _compiled_int8(flipped=True)
+    with torch.no_grad():
+        served_other = compiled_again(**inputs)
+        torch.testing.assert_close(served_other, other(**inputs), atol=0.05, rtol=0.05)
+    assert _graph_cache_use() == {"hit": 1, "miss": 0, "bypass": 0}
+    assert not torch.allclose(served_other, served_first, atol=0.05)  # the new weights served, not the cached ones
+
+
+def _cache_key_methods() -> tuple[object, ...]:
+    from torch._inductor import codecache
+
+    return (getattr(codecache, "CacheabilityValidator", None).__dict__.get("check_tensor")
+            if hasattr(codecache, "CacheabilityValidator") else None,
+            codecache.FxGraphCachePickler.__dict__["_reduce_tensor"])
+
+
+def test_the_cache_key_change_holds_only_while_entered_and_nests():
+    """torch 2.13 (the default profile) has what it changes; torch 2.8 (the ipex profile, no int8) has not, and
+    there it changes nothing."""
+    from torch._inductor import codecache
+
+    applies = torch.__version__ >= "2.13"
+    before = _cache_key_methods()
+    with prepacked_cache.keyed_by_metadata() as outer:
+        assert outer is applies
+        changed = _cache_key_methods()
+        assert (changed != before) is applies
+        with prepacked_cache.keyed_by_metadata() as inner:
+            assert inner is applies and _cache_key_methods() == changed
+        assert _cache_key_methods() == changed
+    assert _cache_key_methods() == before
+    unfrozen = torch.randn(4, 4).to_mkldnn()  # not a frozen weight: still refused, as torch does
+    with prepacked_cache.keyed_by_metadata(), pytest.raises(codecache.BypassFxGraphCache, match="mkldnn"):
+        codecache.FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())).dumps(unfrozen)
