@@ -84,6 +84,7 @@ class Engine:
         self._task: Task | None = None
         self._guard: GuardedForward | None = None
         self.length_cost: length_groups.CostModel | None = None  # rows of mixed lengths run in groups by it
+        self._look_again: length_groups.LookAgain | None = None  # without one at load: a sibling's, kept since
 
     def load(self) -> None:
         started = time.perf_counter()
@@ -140,13 +141,32 @@ class Engine:
         self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
         if self._task.row_outputs and self.shapes.length_groups:
-            # Kept beside the compile cache for the next worker of this forward on this machine, as the races are.
-            kept = memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None
+            self._measure_length_cost(result, reference, batches)
+
+    def _measure_length_cost(self, result: LadderResult, reference: torch.nn.Module, batches: list[Any]) -> None:
+        # Kept beside the compile cache for the next worker of this forward on this machine, as the races are.
+        kept = memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None
+        key = None
+        if kept is not None:
             served = (result.active, result.dtype.value, repr(self.config.served_compile), self.shapes.describe(),
                       hardware.machine(self.device, self.threads.value))
-            self.length_cost = length_groups.measure(result.forward, batches, synchronize=self._synchronize,
-                                                     kept=kept, served=served, weights=reference)
-            logger.info("length groups: %s", self.length_cost.describe() if self.length_cost else "no cost model")
+            weights_key = result.weights_key or memory.fingerprint(tensors=reference.state_dict().items())
+            key = length_groups.kept_key(batches, served, weights_key)
+        self.length_cost = length_groups.measure(result.forward, batches, synchronize=self._synchronize,
+                                                 kept=kept, key=key)
+        logger.info("length groups: %s", self.length_cost.describe() if self.length_cost else "no cost model")
+        if self.length_cost is None and kept is not None and key is not None:
+            self._look_again = length_groups.LookAgain(kept, key)
+
+    def _length_cost_now(self) -> length_groups.CostModel | None:
+        """The cost model; a worker that had none at load looks for one a sibling kept since."""
+        if self.length_cost is None and self._look_again is not None:
+            self.length_cost = self._look_again()
+            if self.length_cost is not None:
+                self._look_again = None
+                logger.info("length groups: the model another worker of this forward kept since: %s",
+                            self.length_cost.describe())
+        return self.length_cost
 
     @property
     def active_rung(self) -> str | None:
@@ -268,8 +288,9 @@ class Engine:
         mask = inputs.get("attention_mask")
         rows, seq = next(iter(inputs.values())).shape[:2]
         self.last_batch.real_tokens += int(mask.sum()) if mask is not None else rows * seq
-        groups = None if self.length_cost is None or mask is None else length_groups.row_groups(
-            mask, self.shapes.max_batch, lambda rows, seq: self.length_cost.ms(*self.shapes.serving_shape(rows, seq)))
+        cost = self._length_cost_now()
+        groups = None if cost is None or mask is None else length_groups.row_groups(
+            mask, self.shapes.max_batch, lambda rows, seq: cost.ms(*self.shapes.serving_shape(rows, seq)))
         chunks = split_rows(inputs, self.shapes.max_batch) if groups is None else length_groups.take_groups(
             inputs, mask, groups)
         for chunk in chunks:

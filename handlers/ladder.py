@@ -136,6 +136,7 @@ class LadderResult:
     dtype: DType
     attempts: list[Attempt] = field(default_factory=list)
     calibration: str | None = None  # int8 was tried: what it was calibrated on, what it was judged on
+    weights_key: str | None = None  # the reference's weights hashed for the memory's keys, where the walk did
 
 
 def run_ladder(
@@ -181,9 +182,10 @@ def run_ladder(
         reason = None if planned else (f"no rung kept the answers in {' or '.join(p.value for p in precisions)}; "
                                        "serving fp32 eager")
         ladder.attempts.append(Attempt(plan.EAGER, AttemptStatus.ACCEPTED, reason, 0.0, DType.FLOAT32.value))
-        return LadderResult(plan.EAGER, reference, DType.FLOAT32, ladder.attempts, ladder.calibration_said)
+        return LadderResult(plan.EAGER, reference, DType.FLOAT32, ladder.attempts, ladder.calibration_said,
+                            ladder.weights_key)
     return LadderResult(step.rung, ladder.forwards[step], DType(step.precision), ladder.attempts,
-                        ladder.calibration_said)
+                        ladder.calibration_said, ladder.weights_key)
 
 
 class _Walk:
@@ -213,7 +215,7 @@ class _Walk:
         self._int8_by_rule = False  # int8 with the measured layers lost the answers: built again by the rule alone
         self.memory = memory
         self.machine = machine
-        self._weights_key: str | None = None
+        self.weights_key: str | None = None  # hashed on the first key asked for
 
     def attempt(self, step: plan.Step) -> plan.Outcome:
         dtype = DType(step.precision)
@@ -453,10 +455,10 @@ class _Walk:
 
     def _key(self, *said: object, batches: Sequence[Any]) -> str:
         """The memory's key for a decision about this reference model on ``batches``: the weights are hashed once."""
-        if self._weights_key is None:
-            self._weights_key = fingerprint(tensors=self.reference.state_dict().items())
+        if self.weights_key is None:
+            self.weights_key = fingerprint(tensors=self.reference.state_dict().items())
         run = getattr(self.run, "__qualname__", type(self.run).__name__)
-        return fingerprint(self._weights_key, run, said, [shape_of(batch) for batch in batches],
+        return fingerprint(self.weights_key, run, said, [shape_of(batch) for batch in batches],
                            tensors=batch_tensors(batches))
 
     def _int8_rest(self) -> torch.dtype:

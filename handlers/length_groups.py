@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ MIN_SHAPES = 3
 MAX_FIT_ERROR = 0.25
 # How long the timing waits out a busy machine (``handlers.race``), shorter than a race: grouping is only a speed-up.
 PATIENCE_S = 10.0
+# How often a worker that could not time its forward looks for a model a sibling kept since (a file read).
+LOOK_AGAIN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -121,28 +124,37 @@ def take_groups(inputs: Mapping[str, torch.Tensor], mask: torch.Tensor,
                for name, tensor in inputs.items()}
 
 
+def _recalled(kept: Memory, key: str) -> CostModel | None:
+    earlier = kept.recall(key)
+    if earlier is None:
+        return None
+    try:
+        return CostModel(**earlier)
+    except TypeError:
+        logger.warning("length groups: the kept cost model %s is not one; timing again", key)
+        return None
+
+
+def kept_key(batches: Sequence[Mapping[str, torch.Tensor]], served: object, weights_key: str | None) -> str:
+    """The memory's key for the cost model of one forward: what is served (rung, precision, options, shapes,
+    machine), the weights (``memory.fingerprint`` of them, as the ladder hashes them) and the warmup batches."""
+    return fingerprint("length groups", weights_key, served, tensors=batch_tensors(batches))
+
+
 def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
             synchronize: Callable[[], None] = lambda: None, patience_s: float = PATIENCE_S,
-            kept: Memory | None = None, served: object = (), weights: torch.nn.Module | None = None,
-            ) -> CostModel | None:
+            kept: Memory | None = None, key: str | None = None) -> CostModel | None:
     """The cost model of ``forward`` (already warm at these shapes): its fastest of ``calls`` at each batch of named
     [rows, seq] tensors, timed as the ladder's races are (``handlers.race``: run again while other processes keep
-    this worker waiting, for up to ``patience_s``), and fitted. A model an earlier load kept in ``kept`` for the same
-    forward (``served``: rung, precision, options, machine; the ``weights`` and batches) is read instead; a new one is
-    kept there. None where the batches are not such mappings, the machine stayed busy, or the times do not fit the
-    model (``MAX_FIT_ERROR``): then every batch runs as one."""
+    this worker waiting, for up to ``patience_s``), and fitted. A model an earlier load kept in ``kept`` under
+    ``key`` (``kept_key``) is read instead; a new one is kept there. None where the batches are not such mappings,
+    the machine stayed busy, or the times do not fit the model (``MAX_FIT_ERROR``): then every batch runs as one."""
     if not batches or not all(isinstance(batch, Mapping) and batch for batch in batches):
         return None
-    key = None
-    if kept is not None:
-        weights_key = fingerprint(tensors=weights.state_dict().items()) if weights is not None else None
-        key = fingerprint("length groups", weights_key, served, tensors=batch_tensors(batches))
-        earlier = kept.recall(key)
+    if kept is not None and key is not None:
+        earlier = _recalled(kept, key)
         if earlier is not None:
-            try:
-                return CostModel(**earlier)
-            except TypeError:
-                logger.warning("length groups: the kept cost model %s is not one; timing again", key)
+            return earlier
 
     def call(batch: Mapping[str, torch.Tensor], _: Any) -> None:
         forward(**batch)
@@ -164,3 +176,25 @@ def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
     if model is not None and kept is not None and key is not None:
         kept.keep(key, dataclasses.asdict(model))
     return model
+
+
+@dataclass
+class LookAgain:
+    """For a worker that got no cost model at load (it timed a machine its siblings kept busy while they loaded):
+    while it serves, it looks in the memory again every ``every_s`` for the model a sibling of the same forward kept
+    since, once that sibling timed it on a quiet moment. Each look is a file read; the forward is never timed live."""
+
+    kept: Memory
+    key: str
+    every_s: float = LOOK_AGAIN_S
+    clock: Callable[[], float] = time.monotonic
+    _due: float | None = None
+
+    def __call__(self) -> CostModel | None:
+        now = self.clock()
+        if self._due is None:
+            self._due = now + self.every_s
+        if now < self._due:
+            return None
+        self._due = now + self.every_s
+        return _recalled(self.kept, self.key)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from handlers.length_groups import CostModel, groups, measure, row_groups, take_groups
+from handlers.length_groups import CostModel, LookAgain, groups, kept_key, measure, row_groups, take_groups
 from tests.test_embeddings import make_engine
 
 
@@ -98,12 +98,31 @@ def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
         sleep_like_a_model(x)
 
     batches = [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16), (4, 64)]]
-    first = measure(forward, batches, calls=1, kept=kept, served=("compile", "int8"))
+    int8, fp32 = (kept_key(batches, ("compile", dtype), "weights") for dtype in ("int8", "float32"))
+    first = measure(forward, batches, calls=1, kept=kept, key=int8)
     assert first is not None and len(calls) == 4 and len(list(tmp_path.glob("*.json"))) == 1
-    assert measure(forward, batches, kept=kept, served=("compile", "int8")) == first
+    assert measure(forward, batches, kept=kept, key=int8) == first
     assert len(calls) == 4  # read, not timed
-    measure(forward, batches, calls=1, kept=kept, served=("compile", "float32"))
+    measure(forward, batches, calls=1, kept=kept, key=fp32)
     assert len(calls) == 8 and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_worker_without_a_model_looks_again_while_it_serves_for_one_a_sibling_kept(tmp_path):
+    """A worker that timed a busy machine at load got no model; a sibling of the same forward that loaded later, on
+    a quiet moment, kept one. The first finds it at its next look (every ``every_s``), never times live."""
+    from handlers.memory import Memory
+
+    kept, now = Memory(tmp_path), [100.0]
+    batches = [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16), (4, 64)]]
+    key = kept_key(batches, ("compile", "int8"), "weights")
+    look = LookAgain(kept, key, every_s=30.0, clock=lambda: now[0])
+    assert look() is None  # nothing kept yet
+    sibling = measure(lambda x: sleep_like_a_model(x), batches, calls=1, kept=kept, key=key)
+    assert sibling is not None
+    now[0] += 29.0
+    assert look() is None  # not due yet: no read
+    now[0] += 1.0
+    assert look() == sibling
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +153,29 @@ def test_the_engine_answers_grouped_rows_as_one_padded_batch_would_in_order(grou
                                rtol=1e-4)
     assert engine.last_batch.run_tokens < padded
     assert engine.last_batch.real_tokens <= engine.last_batch.run_tokens
+
+
+def test_the_engine_takes_up_a_model_a_sibling_kept_since_load(grouping_engine, tmp_path):
+    """The engine's side of ``LookAgain``: a worker serving without a model groups rows once a sibling's appears."""
+    import dataclasses
+
+    from handlers.memory import Memory
+
+    engine, kept = grouping_engine, Memory(tmp_path)
+    fitted = engine.length_cost
+    texts = ["short", "a much longer text about serving embedding models with compile on", "tiny", "x y"]
+    try:
+        engine.length_cost, engine._look_again = None, LookAgain(kept, "a sibling's key", every_s=0.0)
+        engine.predict([{"inputs": texts}])
+        padded = engine.last_batch.run_tokens
+        assert engine.length_cost is None and engine.describe()["optimization"]["length_groups"] is None
+        everyone_alone = CostModel(0.0, 1.0, 0.0)
+        kept.keep("a sibling's key", dataclasses.asdict(everyone_alone))
+        engine.predict([{"inputs": texts}])
+        assert engine.length_cost == everyone_alone and engine._look_again is None  # found: no more looks
+        assert engine.last_batch.run_tokens < padded
+    finally:
+        engine.length_cost, engine._look_again = fitted, None
 
 
 def test_each_group_runs_in_fresh_tensors_with_the_strides_the_graph_was_traced_with():
