@@ -277,8 +277,8 @@ class SettingsSection(Section):
     keys (one per precision family), the others are unknown keys."""
     freezing: StrictBool = DEFAULTS.freezing
     """Inductor freezing (weights as constants, prepacked). Measured on CPU: bf16 forwards 16-22 % faster, but
-    a warm start takes twice as long (the FX graph and AOT-autograd caches are bypassed). Off unless the model YAML
-    asks."""
+    a warm start takes longer: the frozen graph comes from the FX graph cache, yet AOT autograd's cache skips it, so
+    each worker traces and folds its weights again (MiniLM: 12 s against 7 s). Off unless the model YAML asks."""
     threads: Threads = Field(DEFAULTS.threads, json_schema_extra={"default": "auto"})
     """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it, else the usable cores (CPU
     affinity, capped by the container's CPU limit) divided by `minWorkers`."""
