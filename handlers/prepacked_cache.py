@@ -1,11 +1,12 @@
-"""Lets inductor's FX graph cache keep a frozen graph whose weights oneDNN prepacked (int8 always; bf16 with
+"""Lets inductor's FX graph cache keep a frozen graph whose weights oneDNN prepacked (int8 always; fp32 or bf16 with
 ``freezing: true``), so a restarted or added worker loads it instead of lowering and compiling it again.
 
 Inductor keys a frozen graph's weights by their metadata alone and, on a hit, takes their values from the graph
 being compiled (torch's own scheme for frozen parameters). It still refuses any graph holding a oneDNN tensor
 (``Bypassing FX Graph Cache because 'mkldnn tensors unpickleable'``), a check written before frozen graphs could be
-cached: a frozen prepacked weight is never pickled, only keyed. Measured on MiniLM int8 (CPU D, 2 cores): a warm
-worker 30.8 s -> 17.4 s (docs/performance.md: int8 warm start).
+cached: a frozen prepacked weight is never pickled, only keyed. Measured on MiniLM (CPU D, 2 cores, bench_restart):
+a second int8 worker's load 31.3 s -> 19.3 s, a frozen fp32 one's 15.8 s -> 12.2 s (docs/performance.md: A frozen
+graph from the compile cache).
 
 ``keyed_by_metadata()`` applies torch's scheme to frozen oneDNN tensors too (their size, dtype and device: the
 layout is opaque to the generated code, oneDNN reads it at run time), only while it is entered. Unfrozen oneDNN
