@@ -31,22 +31,27 @@ def _key_of(metadata: Any) -> Any:
 
 
 def _frozen_prepacked(tensor: torch.Tensor) -> bool:
+    """A frozen oneDNN weight that the generated code reads at run time. One small enough for inductor to inline
+    its values into the code would need them in the key: left to torch, which bypasses the cache for it."""
     from torch._inductor.freezing_utils import is_frozen_param
+    from torch._inductor.graph import GraphLowering
 
-    return tensor.is_mkldnn and is_frozen_param(tensor)
+    return tensor.is_mkldnn and is_frozen_param(tensor) and not GraphLowering.can_inline_constant(tensor)
 
 
 def _targets() -> tuple[Any, staticmethod, Any, Callable[..., Any]] | None:
     """Inductor's validator and key pickler with the methods this replaces (as in torch 2.13), else None."""
     try:
-        from torch._inductor import codecache, freezing_utils
+        from torch._inductor import codecache, freezing_utils, graph
     except ImportError:
         return None
     validator = getattr(codecache, "CacheabilityValidator", None)
     pickler = getattr(codecache, "FxGraphCachePickler", None)
     check = getattr(validator, "__dict__", {}).get("check_tensor")
     reduce = getattr(pickler, "__dict__", {}).get("_reduce_tensor")
-    if not (isinstance(check, staticmethod) and callable(reduce) and hasattr(freezing_utils, "is_frozen_param")):
+    inlines = callable(getattr(getattr(graph, "GraphLowering", None), "can_inline_constant", None))
+    if not (isinstance(check, staticmethod) and callable(reduce) and hasattr(freezing_utils, "is_frozen_param")
+            and inlines):
         return None
     return validator, check, pickler, reduce
 

@@ -96,6 +96,9 @@ class CompileRung(Rung):
         # in the cache: +6 s on a new host or container with a warm cache volume. Cold compiles measured no
         # slower without them (bench_restart.py, docs/performance.md: Restarts).
         stack.enter_context(inductor_config.patch(cpp_cache_precompile_headers=False))
+        # A frozen graph (int8; freezing: true) into the compile cache although oneDNN prepacked its weights. Only
+        # here, not around live calls (~60 us each): a graph compiled after READY is not kept for the next worker.
+        stack.enter_context(prepacked_cache.keyed_by_metadata())
         if self.spec.one_graph:
             # Only while tracing: the guards it produces then admit batch size 1 to the same graph.
             stack.enter_context(fx_config.patch(backed_size_oblivious=True))
@@ -111,12 +114,11 @@ def _freezing_while_traced(compiled: Forward) -> Forward:
     """Inductor freezing that takes effect. ``torch.compile(options={"freezing": True})`` alone does nothing
     (torch 2.13): dynamo reads the global ``torch._inductor.config.freezing`` while it traces, before the options
     apply, and lifts the weights to graph inputs, which inductor cannot freeze. The flag is set around every call,
-    since any call may trace (the warmup, or a new shape after READY), and so is the compile cache's leave to keep
-    a graph with prepacked weights (``prepacked_cache``); ~13 us each."""
+    since any call may trace (the warmup, or a new shape after READY); ~13 us each."""
     from torch._inductor import config as inductor_config  # imports dynamo: not before the cache dir is set
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with inductor_config.patch(freezing=True), prepacked_cache.keyed_by_metadata():
+        with inductor_config.patch(freezing=True):
             return compiled(*args, **kwargs)
 
     return forward

@@ -30,9 +30,13 @@ class TwoLayers(torch.nn.Module):
         return self.down(torch.relu(self.up(inputs)))
 
 
-def _compiled_int8(flipped: bool) -> tuple[torch.nn.Module, object]:
+def _compiled_int8(flipped: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The int8 model, and what its compile rung serves for ``EXAMPLES[1]``, compiled as in the ladder's warmup."""
     module = quantize.static_int8(TwoLayers(flipped).eval(), EXAMPLES, keep_float=lambda name, layer: False)
-    return module, CompileRung("compile", CompileSpec(enabled=True, backend="inductor")).apply(module, DType.INT8)
+    rung = CompileRung("compile", CompileSpec(enabled=True, backend="inductor"))
+    forward = rung.apply(module, DType.INT8)
+    with rung.warmup_context(1), torch.no_grad():
+        return module, forward(**EXAMPLES[1])
 
 
 def _graph_cache_use() -> dict[str, int]:
@@ -51,17 +55,15 @@ def private_cache(tmp_path, monkeypatch):
 def test_a_frozen_int8_graph_is_cached_and_loaded_with_the_weights_being_compiled(private_cache):
     inputs = EXAMPLES[1]
     counters.clear()
-    first, compiled = _compiled_int8(flipped=False)
+    first, served_first = _compiled_int8(flipped=False)
     with torch.no_grad():
-        served_first = compiled(**inputs)
         torch.testing.assert_close(served_first, first(**inputs), atol=0.05, rtol=0.05)
     assert _graph_cache_use() == {"hit": 0, "miss": 1, "bypass": 0}  # stored, not bypassed for its oneDNN weights
 
     torch._dynamo.reset()  # a new worker: nothing compiled in memory, the cache on disk
     counters.clear()
-    other, compiled_again = _compiled_int8(flipped=True)
+    other, served_other = _compiled_int8(flipped=True)  # other weights, the same scales
     with torch.no_grad():
-        served_other = compiled_again(**inputs)
         torch.testing.assert_close(served_other, other(**inputs), atol=0.05, rtol=0.05)
     assert _graph_cache_use() == {"hit": 1, "miss": 0, "bypass": 0}
     assert not torch.allclose(served_other, served_first, atol=0.05)  # the new weights served, not the cached ones
@@ -93,3 +95,28 @@ def test_the_cache_key_change_holds_only_while_entered_and_nests():
     unfrozen = torch.randn(4, 4).to_mkldnn()  # not a frozen weight: still refused, as torch does
     with prepacked_cache.keyed_by_metadata(), pytest.raises(codecache.BypassFxGraphCache, match="mkldnn"):
         codecache.FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())).dumps(unfrozen)
+
+
+def test_only_frozen_oneDNN_weights_too_large_to_inline_are_keyed_by_their_shape():
+    """On torch 2.13; on torch 2.8 (the ipex profile) every oneDNN tensor is refused, as torch does."""
+    from torch._inductor import codecache, freezing_utils
+
+    def frozen(tensor):
+        with freezing_utils.enter_freezing():
+            freezing_utils.maybe_set_is_frozen_param(tensor)
+        return tensor
+
+    one, other = (frozen(torch.randn(16, 4, generator=torch.Generator().manual_seed(seed)).to_mkldnn())
+                  for seed in (1, 2))
+    small = frozen(torch.randn(4).to_mkldnn())  # inductor would inline its values into the code
+    with prepacked_cache.keyed_by_metadata() as applies:
+        # made while entered, as inductor makes its pickler for each graph it compiles
+        pickler = codecache.FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+        if applies:
+            assert pickler.dumps(one) == pickler.dumps(other)  # values come from the model being compiled
+            assert pickler.dumps(one) != pickler.dumps(frozen(torch.randn(16, 8).to_mkldnn()))
+        else:
+            with pytest.raises(codecache.BypassFxGraphCache, match="mkldnn"):
+                pickler.dumps(one)
+        with pytest.raises(codecache.BypassFxGraphCache, match="mkldnn"):
+            pickler.dumps(small)
