@@ -62,6 +62,7 @@ class Variant:
     freezing: bool = False
     float_linears: str | None = None  # pt2e: a regex of linear layers left unquantized
     cpp_wrapper: bool = False  # inductor's C++ wrapper (pt2.compile.options.cpp_wrapper)
+    max_autotune: bool = False  # inductor's own GEMM templates raced against the libraries (options.max_autotune)
 
 
 MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
@@ -103,6 +104,11 @@ VARIANTS = (
             cpp_wrapper=True),
     Variant("pt2e-static-int8-bf16-measured-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True),
+    # max_autotune: inductor's C++ GEMM templates (AVX-512 / VNNI / AMX micro-kernels) raced against oneDNN and MKL
+    # for each matmul at compile time; compiles far longer, once per cache.
+    Variant("compile-dynamic-fp32-autotune", "compile", "float32", dynamic=True, max_autotune=True),
+    Variant("pt2e-static-int8-measured-cpp-autotune", "pt2e", "int8", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, max_autotune=True),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),
@@ -187,8 +193,9 @@ def compile_as_rung(module: Any, variant: Variant) -> Any:
     from handlers.config import CompileSpec, DType
     from handlers.rungs import CompileRung
 
-    spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing,
-                       options={"cpp_wrapper": True} if variant.cpp_wrapper else None)
+    options = {key: True for key, wanted in (("cpp_wrapper", variant.cpp_wrapper),
+                                             ("max_autotune", variant.max_autotune)) if wanted}
+    spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing, options=options or None)
     return CompileRung("compile", spec).apply(module, DType.FLOAT32)
 
 
