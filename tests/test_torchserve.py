@@ -349,19 +349,19 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
     assert_loaded_from_the_cache(log.read_text(errors="replace")[offset:], new)
 
 
-def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str]) -> None:
-    """Each worker proved its rung (its READY line) with FX graphs from the compile cache: hits, no misses. Where
-    auto's bf16 screen races fp32 eager (CPUs with bf16 instructions), a new worker follows the race the first one
-    kept (``handlers.memory``): one that raced while the others loaded beside it could pick the other precision,
-    whose graph no worker compiled."""
+def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str], model: str = "minilm") -> None:
+    """Each worker proved its rung (its READY line) with FX graphs from the compile cache: hits, no misses, none
+    bypassed (a frozen int8 graph included: ``handlers.prepacked_cache``). Where auto's bf16 screen races fp32 eager
+    (CPUs with bf16 instructions), a new worker follows the race the first one kept (``handlers.memory``): one that
+    raced while the others loaded beside it could pick the other precision, whose graph no worker compiled."""
     autos_bf16_is_raced = DType.BFLOAT16 in hardware.resolve_precisions((DType.AUTO,), torch.device("cpu")).value
     for worker_id in worker_ids:
-        lines = [line for line in log_text.splitlines() if f"W-{worker_id}-minilm" in line]
-        ready = [line for line in lines if "model minilm READY on rung compile" in line]
+        lines = [line for line in log_text.splitlines() if f"W-{worker_id}-{model}_" in line]
+        ready = [line for line in lines if f"model {model} READY on rung compile" in line]
         use = [line for line in lines if "compile cache " in line and "fx_graph" in line]
         assert ready and use, lines[-20:]
-        fx_graph = re.search(r"fx_graph (\d+) hit / (\d+) missed", use[-1])
-        assert int(fx_graph[1]) > 0 and int(fx_graph[2]) == 0, use[-1]
+        fx_graph = re.search(r"fx_graph (\d+) hit / (\d+) missed / (\d+) bypassed", use[-1])
+        assert int(fx_graph[1]) > 0 and int(fx_graph[2]) == 0 and int(fx_graph[3]) == 0, use[-1]
         screens = [line for line in lines if "screen: bfloat16" in line]
         assert len(screens) == int(autos_bf16_is_raced) and all(
             "remembered from an earlier load, which this worker follows" in line for line in screens), screens
@@ -482,6 +482,17 @@ def test_the_int8_archive_serves_int8_where_it_passes_and_pays(server, reference
     got = [*answers[0][1]["embeddings"], answers[1][1]["embedding"], *answers[2][1]["embeddings"]]
     assert_close_embeddings(got, reference(TEXTS), min_cosine=0.99)
     assert_nothing_compiled_after_ready(server, "minilm-int8")
+    # An added worker follows the first one's race and loads the graph it served from the compile cache, the
+    # frozen int8 graph included (its prepacked weights keyed as torch keys frozen weights).
+    first = {w["id"] for w in describe(server, "minilm-int8")["workers"]}
+    log = server.run_dir / "logs" / "model_log.log"
+    offset = log.stat().st_size
+    status, body = server.management("PUT", "/models/minilm-int8?min_worker=2&max_worker=2&synchronous=true",
+                                     timeout=900)
+    assert status == 200, body
+    new = {w["id"] for w in describe(server, "minilm-int8")["workers"]} - first
+    assert len(new) == 1, describe(server, "minilm-int8")["workers"]
+    assert_loaded_from_the_cache(log.read_text(errors="replace")[offset:], new, model="minilm-int8")
     status, body = server.management("DELETE", "/models/minilm-int8")
     assert status == 200, body
 
