@@ -7,6 +7,7 @@ Everything below is translation: TorchServe context -> Engine, Engine answers/er
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -77,6 +78,9 @@ class Pt2Handler(BaseHandler):
         version = (getattr(context, "manifest", None) or {}).get("model", {}).get("modelVersion")
         self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name, cache, version)
         self.engine.load()
+        frozen = _freeze_what_the_load_left()
+        logger.info("model %s: %d objects the load left kept out of full garbage collections", context.model_name,
+                    frozen)
         self.context = context
         pid = str(os.getpid())
         for attempt in self.engine.attempts:  # each rung x precision tried, the screens included
@@ -158,6 +162,15 @@ class Pt2Handler(BaseHandler):
 
     def describe_handle(self) -> dict[str, Any]:
         return self.engine.describe() if self.engine else {"state": "not initialized"}
+
+
+def _freeze_what_the_load_left() -> int:
+    """The worker process is the model's once it is READY: the objects its load left (model, tokenizer, compiled
+    graphs; ~550k for MiniLM) move out of the garbage collector's reach. A full collection over them stalled a 2-core
+    worker for ~260 ms, during which no batch is served; after this it scans only what serving allocates."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _device(gpu_id: int | None) -> torch.device:

@@ -360,6 +360,8 @@ def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str], model: str
         ready = [line for line in lines if f"model {model} READY on rung compile" in line]
         use = [line for line in lines if "compile cache " in line and "fx_graph" in line]
         assert ready and use, lines[-20:]
+        frozen = [line for line in lines if "objects the load left kept out of full garbage collections" in line]
+        assert frozen and int(re.search(rf"model {model}: (\d+) objects", frozen[-1])[1]) > 100_000, frozen
         fx_graph = re.search(r"fx_graph (\d+) hit / (\d+) missed / (\d+) bypassed", use[-1])
         assert int(fx_graph[1]) > 0 and int(fx_graph[2]) == 0 and int(fx_graph[3]) == 0, use[-1]
         screens = [line for line in lines if "screen: bfloat16" in line]
