@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,6 +45,7 @@ class BatchStats:
     requests: int = 0
     milliseconds: dict[str, float] = field(default_factory=dict)  # parse, preprocess, forward, postprocess
     real_tokens: int = 0  # tokens of the requests' texts, in the rows forward_batch ran
+    threads: int = 0  # the forward's intra-op threads (handlers.core_share)
     run_tokens: int = 0  # rows x sequence as run, after padding to the batch and to a shape bucket
 
     @property
@@ -79,7 +82,9 @@ class Engine:
             self.precisions = hardware.Choice((DType.FLOAT32,), f"{config.settings.task} serves float32: "
                                                                 f"{float32_only}")
         self.dtype = hardware.Choice(self.precisions.value[0], "not loaded yet")  # the precision served
-        self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)
+        self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)  # at load
+        self.cores = hardware.core_share(config.settings.threads, device)  # None: every forward at self.threads
+        self._built_for: int | None = None  # the thread count the served forward only runs well at
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
         self._guard: GuardedForward | None = None
@@ -121,7 +126,8 @@ class Engine:
                    for batch in self._task.warmup_batches(self.shapes.warmup_shapes())]
         no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
         rungs = build_ladder(self.config, self.device, compile_unavailable=no_cache,
-                             inductor_unavailable=hardware.cpp_compiler_problem(self.device))
+                             inductor_unavailable=hardware.cpp_compiler_problem(self.device),
+                             threads_follow=self.cores is not None)
         self.notes = [note for rung in rungs for note in rung.notes(self.device)]
         cache_before = compile_cache.use_counters()
         precisions: tuple[DType, ...] = self.precisions.value
@@ -140,6 +146,7 @@ class Engine:
         self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
         self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
+        self._built_for = None if _follows_threads(result.active, result.dtype) else self.threads.value
         if self._task.row_outputs and self.shapes.length_groups:
             self._measure_length_cost(result, reference, batches)
 
@@ -190,6 +197,11 @@ class Engine:
         Inference (KServe v2) body is read as the task body it maps to, and answered in the protocol's shape."""
         if self.state is not State.READY or self._task is None or self._guard is None:
             raise ModelNotReady(f"model {self.model_name} is {self.state.value}, not ready")
+        with self.cores.batch() if self.cores else nullcontext():
+            return self._predict(bodies, emit)
+
+    def _predict(self, bodies: Sequence[Any], emit: Emit | None) -> list[Any]:
+        assert self._task is not None
         answers: list[Any] = [None] * len(bodies)
         self.last_batch = stats = BatchStats(requests=len(bodies))
         clock = _StageClock(stats.milliseconds)
@@ -204,7 +216,10 @@ class Engine:
             stream = None if emit is None else (
                 lambda chunks: emit({body_of[request]: chunk for request, chunk in chunks.items()}))
             try:
-                outputs = self._task.run(self, encoded, stream)
+                with self._threads_for_forward() as threads:
+                    stats.threads = threads
+                    clock.lap("cores")
+                    outputs = self._task.run(self, encoded, stream)
             except InferenceError:
                 raise
             except Exception as exc:
@@ -278,6 +293,18 @@ class Engine:
         logger.error("%s failed on one request: %s", stage, summarize(exc), exc_info=exc)
         return InferenceError(f"the server failed to {stage} this request ({type(exc).__name__}); it is logged")
 
+    @contextmanager
+    def _threads_for_forward(self) -> Iterator[int]:
+        """The intra-op threads this batch's forward runs on, held until it ends: its share of the cores the
+        machine's workers share (``handlers.core_share``), else the count it loaded with."""
+        if self.cores is None:
+            yield self.threads.value
+            return
+        with self.cores.forward(self._built_for) as grant:
+            if torch.get_num_threads() != grant.threads:
+                torch.set_num_threads(grant.threads)
+            yield grant.threads
+
     def forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """Run the batch at the shape policy's shapes: chunks of at most the largest batch bucket, each padded
         up to its bucket, outputs sliced back to the real rows. Where the task answers one row per text, the rows
@@ -341,7 +368,7 @@ class Engine:
             "int8_calibration": self.int8_calibration,
             "precisions": {"tried_in_order": [p.value for p in self.precisions.value],
                            "reason": self.precisions.reason},
-            "threads": {"intra_op": self.threads.value, "reason": self.threads.reason},
+            "threads": self._describe_threads(),
             "torch": torch.__version__,
             "requested_compile": self.config.served_compile.describe() if self.config.compile.enabled else None,
             "notes": self.notes,
@@ -361,6 +388,22 @@ class Engine:
             "config_warnings": list(self.config.warnings),
         }
 
+
+    def _describe_threads(self) -> dict[str, Any]:
+        threads: dict[str, Any] = {"intra_op": self.threads.value, "reason": self.threads.reason}
+        if self.cores is not None:
+            threads["per_forward"] = (
+                f"shared with the other workers on these {self.cores.cores} cores: "
+                + (f"{self._built_for}, the count its weights were packed for, once that many are free"
+                   if self._built_for else "all of them alone, an equal share while other workers hold batches"))
+        return threads
+
+
+def _follows_threads(rung: str | None, dtype: DType) -> bool:
+    """Whether the served forward runs well at any thread count. Measured (CPU D, MiniLM): the fp32 compile, frozen
+    or not, and eager fp32 scale with the threads they get; the int8 compile's oneDNN weights are packed for the
+    threads that packed them. What was not measured keeps the count it was built at."""
+    return dtype is DType.FLOAT32 and rung in ("compile", "safe_compile", "eager")
 
 
 def _picked_by_auto(precisions: Sequence[DType], configured: Sequence[DType]) -> tuple[DType, ...]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from handlers import core_share as core_share_module
 from handlers.config import DType
 from handlers.quantize import INT8_CPU_FEATURES, int8_problem
 
@@ -167,10 +168,7 @@ def available_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     """Cores this process may use: its CPU affinity (taskset, a CPU-manager pinning), capped by the container's
     CPU limit (a cgroup CPU quota: a Kubernetes ``limits.cpu`` of 2 on a 64-core node allows 2 cores' time, and
     64 threads would spend it all in OpenMP barriers)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
+    cores = len(_affinity())
     quota = cpu_quota(cgroup_root)
     return max(1, min(cores, math.floor(quota))) if quota is not None else cores
 
@@ -208,6 +206,25 @@ def resolve_threads(requested: int | None, workers: int, device: torch.device,
         return Choice(min(cores, 4), "auto: a GPU worker needs few CPU threads")
     threads = max(1, cores // max(1, workers))
     return Choice(threads, f"auto: {cores} usable cores (CPU affinity and limit) / {workers} worker(s) (minWorkers)")
+
+
+def core_share(requested: int | None, device: torch.device,
+               environ: Mapping[str, str] = os.environ) -> core_share_module.CoreShare | None:
+    """Where ``threads: auto`` shares this machine's cores with the other workers forward by forward
+    (``handlers.core_share``); None where the count is fixed: configured, set per pinned worker by a launcher
+    (``OMP_NUM_THREADS``), or a GPU worker's."""
+    omp = environ.get("OMP_NUM_THREADS", "")
+    if requested is not None or (omp.isdigit() and int(omp) > 0) or device.type != "cpu":
+        return None
+    share = core_share_module.for_cores(available_cores(), _affinity())
+    return share if share.joined else None
+
+
+def _affinity() -> frozenset[int]:
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return frozenset(range(os.cpu_count() or 1))
 
 
 def cpp_compiler_problem(device: torch.device) -> str | None:

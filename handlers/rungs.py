@@ -10,6 +10,7 @@ import contextlib
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -172,11 +173,13 @@ class EagerRung(Rung):
 
 
 def build_ladder(config: HandlerConfig, device: torch.device,
-                 compile_unavailable: str | None = None, inductor_unavailable: str | None = None) -> list[Rung]:
+                 compile_unavailable: str | None = None, inductor_unavailable: str | None = None,
+                 threads_follow: bool = False) -> list[Rung]:
     """The rungs named in ``pt2_handlers.ladder``, in order; eager is always last. ``compile_unavailable``
     skips the compile rungs with that reason (e.g. no writable compile cache); ``inductor_unavailable`` skips
-    those that compile with inductor (e.g. no C++ compiler for a CPU worker)."""
-    requested = config.served_compile
+    those that compile with inductor (e.g. no C++ compiler for a CPU worker). ``threads_follow``: the compiled
+    kernels take the thread count each call runs at (the worker shares its cores: handlers.core_share)."""
+    requested = replace(config.served_compile, threads_follow=threads_follow)
     rungs: list[Rung] = []
 
     def unavailable(spec: CompileSpec) -> str | None:

@@ -152,6 +152,7 @@ class Pt2Handler(BaseHandler):
         for stage, milliseconds in batch.milliseconds.items():
             self._gauge("Pt2StageMilliseconds", milliseconds, "ms", Stage=stage)
         self._gauge("Pt2BatchRequests", batch.requests, "count")
+        self._gauge("Pt2ForwardThreads", batch.threads, "count")
         self._gauge("Pt2PaddingPercent", round(100 * batch.padding_ratio, 2), "percent")
 
     def _counter(self, name: str, value: float, **dimensions: str) -> None:

@@ -315,6 +315,9 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
         shown = manage(server, "describe", "minilm")
         ready_workers = re.findall(r"worker \d+: pid \d+ READY$", shown, re.M)
         assert len(ready_workers) == 3 and "serving: rung compile" in shown, shown
+        # Sized from minWorkers 1, each worker would run every core: their forwards share them instead
+        threads = describe(server)["customizedMetadata"]["optimization"]["threads"]
+        assert threads["per_forward"].startswith("shared with the other workers on these"), threads
         phase[0] = "down"
         manage(server, "scale", "minilm", "--min", "1", "--max", "1")
         deadline = time.monotonic() + 120
@@ -881,8 +884,9 @@ def test_prometheus_metrics_show_the_ladder_and_each_batch(server):
     assert gates[("compile", served, "accepted")] >= 0.999, gates
     assert all(value > 0 for _, value in of("Pt2LoadSeconds")) and of("Pt2LoadSeconds")
     stages = {labels["Stage"]: value for labels, value in of("Pt2StageMilliseconds")}
-    assert stages.keys() == {"parse", "preprocess", "forward", "postprocess"} and stages["forward"] > 0, stages
+    assert stages.keys() == {"parse", "preprocess", "cores", "forward", "postprocess"} and stages["forward"] > 0, stages
     assert [value for _, value in of("Pt2BatchRequests")][0] >= 1
+    assert [value for _, value in of("Pt2ForwardThreads")][0] >= 1
     assert 0 <= [value for _, value in of("Pt2PaddingPercent")][0] < 100
     for counter in ("Pt2RuntimeFallbacks", "Pt2CompilesAfterReady", "Pt2EagerBatches", "Pt2FramesGivenUp"):
         assert [value for _, value in of(counter)] == [0.0], (counter, of(counter))

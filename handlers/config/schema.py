@@ -39,7 +39,7 @@ class ModelYaml(Section):
         Field(default_factory=SettingsSection)
     """This package's settings."""
     minWorkers: PositiveInt = 1  # TorchServe's spelling
-    """TorchServe's worker count; here also how many workers share this host's cores (`threads: auto`)."""
+    """TorchServe's worker count; with `threads: auto`, also what the cores are divided by while a worker loads."""
     batchSize: PositiveInt = 1
     """TorchServe's server-side batching: up to this many requests per forward."""
     maxBatchDelay: Annotated[StrictInt, Field(ge=0)] = 100

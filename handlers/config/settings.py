@@ -280,8 +280,11 @@ class SettingsSection(Section):
     a warm start takes longer: the frozen graph comes from the FX graph cache, yet AOT autograd's cache skips it, so
     each worker traces and folds its weights again (MiniLM: 12 s against 7 s). Off unless the model YAML asks."""
     threads: Threads = Field(DEFAULTS.threads, json_schema_extra={"default": "auto"})
-    """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it, else the usable cores (CPU
-    affinity, capped by the container's CPU limit) divided by `minWorkers`."""
+    """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it (fixed); else the workers on the
+    usable cores (CPU affinity, capped by the container's CPU limit) share them forward by forward: a forward runs on
+    every core while no other worker holds a batch, on an equal share while others do, and waits rather than
+    oversubscribe them (an int8 forward runs at the count it loaded with: the usable cores divided by `minWorkers`).
+    A number: that many threads for every forward, shared with no one."""
     compile_cache: StrictStr | None = DEFAULTS.compile_cache
     """Where inductor keeps compiled graphs and kernels. Left out: `TORCHINDUCTOR_CACHE_DIR`, else torch's default.
     An unusable directory is replaced by a private one, with a warning."""

@@ -61,17 +61,23 @@ class CompileSpec:
     # dynamic only: size-1 dims stay symbolic (size-oblivious), so batch 1 shares the one graph. Measured:
     # half the cold compile and warm restart of two graphs, same speed.
     one_graph: bool = False
+    # inductor's CPU kernels ask OpenMP for the thread count at each call instead of keeping the count they were
+    # compiled at: the worker shares its cores forward by forward (handlers.core_share)
+    threads_follow: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """Fresh keyword arguments for ``torch.compile`` (the backend resolved to a callable if custom)."""
         kwargs: dict[str, Any] = {
             "backend": resolve_backend(self.backend), "fullgraph": self.fullgraph, "dynamic": self.dynamic,
         }
-        if self.freezing and self.backend == "inductor":
-            # torch.compile takes mode or options, not both: spell the mode out as its options. The option alone
-            # does not freeze: the compile rung also sets inductor's global flag while dynamo traces (handlers.rungs).
+        ours = {"freezing": True} if self.freezing else {}
+        if self.threads_follow:
+            ours["cpp.dynamic_threads"] = True
+        if ours and self.backend == "inductor":
+            # torch.compile takes mode or options, not both: spell the mode out as its options. The freezing option
+            # alone does not freeze: the compile rung also sets inductor's global flag while dynamo traces.
             mode_options = torch._inductor.list_mode_options(self.mode, self.dynamic) if self.mode else {}
-            kwargs["options"] = {**mode_options, **(self.options or {}), "freezing": True}
+            kwargs["options"] = {**mode_options, **(self.options or {}), **ours}
         elif self.mode is not None:
             kwargs["mode"] = self.mode
         elif self.options is not None:
@@ -89,7 +95,8 @@ class CompileSpec:
     def safer(self) -> CompileSpec:
         """The fallback compile: inductor in default mode, no freezing or custom options, graph breaks allowed,
         torch's own size-1 specialization."""
-        return CompileSpec(enabled=self.enabled, backend="inductor", dynamic=self.dynamic)
+        return CompileSpec(enabled=self.enabled, backend="inductor", dynamic=self.dynamic,
+                           threads_follow=self.threads_follow)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,205 @@
+"""handlers.core_share: workers on one machine share its cores forward by forward. The other workers are real
+processes (each holds its own POSIX locks), driven line by line over stdin/stdout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from handlers import core_share
+from handlers.config import DType
+from handlers.engine import _follows_threads
+from tests.test_embeddings import make_engine
+
+CPUS = frozenset({0, 1})
+
+SIBLING = textwrap.dedent("""
+    import sys
+    from contextlib import ExitStack
+    from pathlib import Path
+    from handlers import core_share
+    share = core_share.CoreShare(int(sys.argv[1]), Path(sys.argv[2]))
+    batches, forwards = ExitStack(), ExitStack()
+    print("joined", share.slot, flush=True)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "batch":
+            batches.enter_context(share.batch())
+        elif command == "forward":
+            grant = forwards.enter_context(share.forward(int(args[0]) if args else None))
+            print("granted", grant.threads, flush=True)
+            continue
+        elif command == "end":  # the forwards, not the batch
+            forwards.close()
+        elif command == "release":
+            forwards.close()
+            batches.close()
+        print("ok", flush=True)
+""")
+
+
+class Sibling:
+    """Another worker: a process of its own in the same share."""
+
+    def __init__(self, cores: int, path: Path):
+        self.process = subprocess.Popen([sys.executable, "-c", SIBLING, str(cores), str(path)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        cwd=Path(__file__).resolve().parents[1])
+        assert self.read().startswith("joined ")
+
+    def read(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().strip()
+        assert line, f"the sibling exited ({self.process.wait()})"
+        return line
+
+    def send(self, command: str) -> str:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def later(self, seconds: float, *commands: str) -> threading.Thread:
+        """Send these commands after a while, from another thread (their answers are left to read)."""
+        def send() -> None:
+            time.sleep(seconds)
+            assert self.process.stdin is not None
+            self.process.stdin.write("".join(command + "\n" for command in commands))
+            self.process.stdin.flush()
+        thread = threading.Thread(target=send)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def siblings(tmp_path):
+    started: list[Sibling] = []
+
+    def start(cores: int = 2, path: Path | None = None) -> Sibling:
+        started.append(Sibling(cores, path or share(tmp_path, cores).path))
+        return started[-1]
+
+    yield start
+    for sibling in started:
+        sibling.close()
+
+
+def share(tmp_path: Path, cores: int = 2) -> core_share.CoreShare:
+    return core_share.for_cores(cores, CPUS, tmp_path)
+
+
+def test_a_forward_alone_runs_on_every_core(tmp_path):
+    mine = share(tmp_path, 4)
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 4
+
+
+def test_while_another_worker_holds_a_batch_each_forward_takes_an_equal_share(tmp_path, siblings):
+    mine, other = share(tmp_path, 4), siblings(4)
+    assert other.send("batch") == "ok"
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 2
+    third = siblings(4)
+    assert third.send("batch") == "ok"
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 1  # 4 // 3
+    assert other.send("release") == third.send("release") == "ok"
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 4
+
+
+def test_the_other_worker_sees_this_ones_batch_and_forward(tmp_path, siblings):
+    mine, other = share(tmp_path), siblings()
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 2
+    with mine.batch():
+        assert other.send("forward") == "granted 1"
+
+
+def test_a_forward_waits_for_the_cores_a_running_forward_holds(tmp_path, siblings):
+    """A sibling's forward on both cores (it was alone when it began): this one waits for it rather than put a third
+    thread on two cores, then takes its share while the sibling still holds its batch."""
+    mine, other = share(tmp_path), siblings()
+    assert other.send("batch") == "ok" and other.send("forward") == "granted 2"
+    later = other.later(0.3, "end")
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 1 and grant.waited_ms >= 250, grant
+    later.join()
+    assert other.read() == "ok"
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 1 and grant.waited_ms < 250, grant
+
+
+def test_a_forward_built_for_its_thread_count_runs_at_it_once_the_cores_are_free(tmp_path, siblings):
+    """int8's oneDNN weights are packed for the threads that packed them: such a forward never takes a share; it
+    waits until its count fits beside the forwards already running."""
+    mine, other = share(tmp_path), siblings()
+    assert other.send("batch") == "ok" and other.send("forward 1") == "granted 1"
+    later = other.later(0.3, "release")
+    with mine.batch(), mine.forward(built_for=2) as grant:
+        assert grant.threads == 2 and grant.waited_ms >= 250, grant
+    later.join()
+    assert other.read() == "ok"
+    assert other.send("batch") == "ok" and other.send("forward 1") == "granted 1"
+    with mine.forward(built_for=1) as grant, mine.forward(built_for=1) as nested:  # 1 + 1 fits: no wait
+        assert grant.threads == nested.threads == 1 and grant.waited_ms < 250, grant
+
+
+def test_a_killed_worker_keeps_no_cores(tmp_path, siblings):
+    mine, other = share(tmp_path), siblings()
+    assert other.send("batch") == "ok" and other.send("forward 2") == "granted 2"
+    other.close()
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 2 and grant.waited_ms < 100, grant
+
+
+def test_one_share_per_process_and_file(tmp_path):
+    assert share(tmp_path) is share(tmp_path)
+    assert core_share.for_cores(2, frozenset({2, 3}), tmp_path).path != share(tmp_path).path
+
+
+def test_an_engine_takes_its_share_of_the_cores_while_another_worker_holds_a_batch(tiny_bert_dir, siblings):
+    engine = make_engine(tiny_bert_dir)  # threads: auto
+    engine.load()
+    cores = engine.cores
+    assert cores is not None and cores.joined
+    assert engine.predict([{"text": "alone"}])[0]["embedding"]
+    assert engine.last_batch.threads == cores.cores
+    other = siblings(cores.cores, cores.path)
+    assert other.send("batch") == "ok"
+    assert engine.predict([{"text": "beside another worker's batch"}])[0]["embedding"]
+    assert engine.last_batch.threads == max(1, cores.cores // 2)
+    assert "cores" in engine.last_batch.milliseconds
+    threads = engine.describe()["optimization"]["threads"]
+    assert threads["per_forward"].startswith(f"shared with the other workers on these {cores.cores} cores"), threads
+
+
+def test_threads_configured_are_the_threads_every_forward_runs(tiny_bert_dir):
+    before = torch.get_num_threads()
+    try:
+        engine = make_engine(tiny_bert_dir, {"pt2_handlers": {"ladder": ["eager"], "dtype": "float32", "threads": 1}})
+        engine.load()
+        assert engine.cores is None and "per_forward" not in engine.describe()["optimization"]["threads"]
+        engine.predict([{"text": "one thread"}])
+        assert engine.last_batch.threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_which_forwards_follow_the_thread_count():
+    """Measured on CPU D: fp32 (compiled or eager) scales with the threads it gets; oneDNN's int8 weights are packed
+    for the threads of the process that packed them."""
+    assert _follows_threads("compile", DType.FLOAT32) and _follows_threads("eager", DType.FLOAT32)
+    assert not _follows_threads("compile", DType.INT8)
+    assert not _follows_threads("ipex", DType.FLOAT32) and not _follows_threads("compile", DType.BFLOAT16)
