@@ -18,6 +18,8 @@ More rows, same load, same run (each gets its own row in the CSV, PNG and table,
                                 another archive of the same model directory, packaged with that model YAML (each
                                 KEY=VALUE overriding it, as --set does) and served by the same TorchServe
                                 (repeatable), e.g. --extra-archive int8=model_configs/minilm-embeddings-int8.yaml
+    --scale NAME=WORKERS        once READY, scale that archive to WORKERS workers through the management API, as an
+                                operator would (the model YAML's minWorkers stays what it was), e.g. --scale int8=2
     --peers infinity-torch infinity-optimum
                                 the Infinity embedding server (scripts/peers.py) on the same directory, 127.0.0.1,
                                 mean pooling, batch size 32, from its own venv (scripts/setup.sh --profile infinity,
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import manage
 import package
 import peers
 import tsctl
@@ -89,6 +92,8 @@ def parse_args() -> argparse.Namespace:
                         help="also package the model with this YAML as archive NAME and time it (repeatable); "
                              "KEY=VALUE pairs after it override that YAML as --set does, e.g. --extra-archive "
                              "py=model_configs/minilm-embeddings-int8.yaml 'pt2.compile.options={}'")
+    parser.add_argument("--scale", nargs="+", default=[], metavar="NAME=WORKERS", type=scale_arg,
+                        help="once READY, scale these archives through the management API (minWorkers stays)")
     parser.add_argument("--peers", nargs="+", default=[], choices=peers.PEERS,
                         help="also time these servers on the same model directory (scripts/peers.py)")
     parser.add_argument("--peer-batch-size", type=int, default=32, help="the peers' --batch-size")
@@ -100,9 +105,19 @@ def parse_args() -> argparse.Namespace:
     except argparse.ArgumentTypeError as exc:
         parser.error(f"--extra-archive: {exc}")
     names = [name for name, _, _ in args.extra_archive]
+    unknown = {name for name, _ in args.scale} - {OURS, BASELINE, *names}
+    if unknown:
+        parser.error(f"--scale: no archive named {sorted(unknown)}")
     if len(set(names)) != len(names) or set(names) & {OURS, BASELINE, *peers.PEERS}:
         parser.error(f"--extra-archive names must be unique and not {OURS}, {BASELINE} or a peer: {names}")
     return args
+
+
+def scale_arg(value: str) -> tuple[str, int]:
+    name, sep, workers = value.partition("=")
+    if not sep or not workers.isdigit() or int(workers) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=WORKERS, got {value!r}")
+    return name, int(workers)
 
 
 def extra_archive(value: str) -> tuple[str, Path]:
@@ -467,6 +482,10 @@ def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl
     config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
     server = tsctl.start(config, store, [f"{m}={m}.mar" for m in names], work / "run", args.timeout)
     log(f"TorchServe READY with {len(names)} models ({', '.join(names)}) in {time.monotonic() - started:.0f}s")
+    for name, workers in args.scale:
+        started = time.monotonic()
+        manage.scale(server, name, workers, workers, wait=True, timeout=args.timeout)
+        log(f"{name}: scaled to {workers} workers through the management API in {time.monotonic() - started:.0f}s")
     return server
 
 
