@@ -8,9 +8,9 @@ asks here how many threads it may run:
 
 * a forward whose kernels follow the thread count (fp32, the float compiles, eager) runs on every core when no other
   worker holds a batch, on ``cores // n`` threads while n workers do (one each on 2 cores);
-* a forward built for one thread count runs at that count: oneDNN packs int8 weights for the threads of the process
-  that packed them (measured: an int8 forward packed at 2 threads takes 4.6x as long at 1 thread, one packed at 1
-  takes 2.4x as long at 2);
+* a forward built for some thread counts runs at the largest of them within its share: oneDNN packs int8 weights for
+  the threads of the process that packed them (measured: an int8 forward packed at 2 threads takes 4.6x as long at 1
+  thread, one packed at 1 takes 2.4x as long at 2), so the ladder builds it once per count it may get;
 * either waits while the threads of the forwards already running leave too few cores, rather than oversubscribe them.
 
 Workers find each other through byte-range locks (``fcntl.lockf``) on one small file per set of cores in the temp
@@ -27,7 +27,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,17 +73,18 @@ class CoreShare:
             yield
 
     @contextmanager
-    def forward(self, built_for: int | None = None) -> Iterator[Grant]:
-        """The threads one forward may run, held until it ends. ``built_for``: the thread count the forward only
-        runs well at; None for one that follows whatever count it gets."""
+    def forward(self, runs_at: Collection[int] | None = None) -> Iterator[Grant]:
+        """The threads one forward may run, held until it ends. ``runs_at``: the thread counts the forward was
+        built for, where it only runs well at those (the largest within its share, else the smallest); None for
+        one that follows whatever count it gets."""
         if self.slot is None:
-            yield Grant(built_for or self.cores, 0.0)
+            yield Grant(max(runs_at) if runs_at else self.cores, 0.0)
             return
         started = time.perf_counter()
         while True:
             with self._mutex():
                 holding, running = self._others()
-                threads = built_for or max(1, self.cores // (holding + 1))
+                threads = _within(max(1, self.cores // (holding + 1)), runs_at)
                 if running == 0 or running + threads <= self.cores:
                     os.pwrite(self._fd, bytes([min(threads, 255)]), self._offset(3))
                     self._take(2)
@@ -162,6 +163,13 @@ class CoreShare:
             return True
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
         return False
+
+
+def _within(share: int, runs_at: Collection[int] | None) -> int:
+    if not runs_at:
+        return share
+    fitting = [count for count in runs_at if count <= share]
+    return max(fitting) if fitting else min(runs_at)
 
 
 _SHARES: dict[tuple[int, Path], CoreShare] = {}

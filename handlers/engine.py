@@ -84,7 +84,7 @@ class Engine:
         self.dtype = hardware.Choice(self.precisions.value[0], "not loaded yet")  # the precision served
         self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)  # at load
         self.cores = hardware.core_share(config.settings.threads, device)  # None: every forward at self.threads
-        self._built_for: int | None = None  # the thread count the served forward only runs well at
+        self._runs_at: tuple[int, ...] | None = None  # the thread counts the served forward was built for; None: any
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
         self._guard: GuardedForward | None = None
@@ -136,7 +136,8 @@ class Engine:
                             calibration=self._int8_calibration(batches) if DType.INT8 in precisions else None,
                             half_must_pay=_picked_by_auto(precisions, settings.dtype),
                             memory=memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None,
-                            machine=hardware.machine(self.device, self.threads.value))
+                            machine=hardware.machine(self.device, self.threads.value),
+                            thread_counts=self._thread_counts())
         self.cache_use = compile_cache.use_since(cache_before)
         logger.info("compile cache %s: %s", self.cache.path, ", ".join(
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
@@ -146,7 +147,7 @@ class Engine:
         self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
         self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
-        self._built_for = None if _follows_threads(result.active, result.dtype) else self.threads.value
+        self._runs_at = result.threads
         if self._task.row_outputs and self.shapes.length_groups:
             self._measure_length_cost(result, reference, batches)
 
@@ -300,10 +301,17 @@ class Engine:
         if self.cores is None:
             yield self.threads.value
             return
-        with self.cores.forward(self._built_for) as grant:
+        with self.cores.forward(self._runs_at) as grant:
             if torch.get_num_threads() != grant.threads:
                 torch.set_num_threads(grant.threads)
             yield grant.threads
+
+    def _thread_counts(self) -> tuple[int, ...]:
+        """The thread counts a forward may be given: the count it loads with, and with shared cores every core
+        (alone) and half of them (beside another worker's forward)."""
+        if self.cores is None:
+            return (self.threads.value,)
+        return tuple(sorted({self.threads.value, self.cores.cores, max(1, self.cores.cores // 2)}))
 
     def forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """Run the batch at the shape policy's shapes: chunks of at most the largest batch bucket, each padded
@@ -392,18 +400,12 @@ class Engine:
     def _describe_threads(self) -> dict[str, Any]:
         threads: dict[str, Any] = {"intra_op": self.threads.value, "reason": self.threads.reason}
         if self.cores is not None:
+            runs_at = "/".join(map(str, self._runs_at or ()))
             threads["per_forward"] = (
-                f"shared with the other workers on these {self.cores.cores} cores: "
-                + (f"{self._built_for}, the count its weights were packed for, once that many are free"
-                   if self._built_for else "all of them alone, an equal share while other workers hold batches"))
+                f"shared with the other workers on these {self.cores.cores} cores: all of them alone, an equal share "
+                "while other workers hold batches" + (f", of the counts its weights were packed for ({runs_at})"
+                                                      if self._runs_at else ""))
         return threads
-
-
-def _follows_threads(rung: str | None, dtype: DType) -> bool:
-    """Whether the served forward runs well at any thread count. Measured (CPU D, MiniLM): the fp32 compile, frozen
-    or not, and eager fp32 scale with the threads they get; the int8 compile's oneDNN weights are packed for the
-    threads that packed them. What was not measured keeps the count it was built at."""
-    return dtype is DType.FLOAT32 and rung in ("compile", "safe_compile", "eager")
 
 
 def _picked_by_auto(precisions: Sequence[DType], configured: Sequence[DType]) -> tuple[DType, ...]:

@@ -137,6 +137,7 @@ class LadderResult:
     attempts: list[Attempt] = field(default_factory=list)
     calibration: str | None = None  # int8 was tried: what it was calibrated on, what it was judged on
     weights_key: str | None = None  # the reference's weights hashed for the memory's keys, where the walk did
+    threads: tuple[int, ...] | None = None  # the thread counts ``forward`` was proven at; None: it runs at any
 
 
 def run_ladder(
@@ -150,6 +151,7 @@ def run_ladder(
     half_must_pay: Collection[DType] = (),
     memory: Memory | None = None,
     machine: str = "",
+    thread_counts: Collection[int] = (),
 ) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
@@ -162,7 +164,9 @@ def run_ladder(
     instructions that run slower than their fp32 ones. int8's float layers run in bf16 only where bf16's screen
     passed. Which of them int8 takes too is measured. What a load measures (int8's layers, the races) is kept in
     ``memory`` and read back by the next load of the same model on the same batches, races on the same ``machine``
-    (``handlers.hardware.machine``): workers of one model serve one precision, whatever load each started under."""
+    (``handlers.hardware.machine``): workers of one model serve one precision, whatever load each started under.
+    An accepted compiled forward is proven again at each of ``thread_counts`` it may be given later
+    (``handlers.core_share``): dynamo compiles per intra-op thread count."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
@@ -184,8 +188,43 @@ def run_ladder(
         ladder.attempts.append(Attempt(plan.EAGER, AttemptStatus.ACCEPTED, reason, 0.0, DType.FLOAT32.value))
         return LadderResult(plan.EAGER, reference, DType.FLOAT32, ladder.attempts, ladder.calibration_said,
                             ladder.weights_key)
-    return LadderResult(step.rung, ladder.forwards[step], DType(step.precision), ladder.attempts,
-                        ladder.calibration_said, ladder.weights_key)
+    rung, dtype = ladder.rungs[step.rung], DType(step.precision)
+    threads = None if rung.follows_threads() else (torch.get_num_threads(),)
+    if isinstance(rung, CompileRung):
+        threads = _at_thread_counts(rung, ladder.forwards[step], dtype, thread_counts, warmup_batches, references,
+                                    gate(dtype), run)
+    return LadderResult(step.rung, ladder.forwards[step], dtype, ladder.attempts, ladder.calibration_said,
+                        ladder.weights_key, threads)
+
+
+def _at_thread_counts(rung: CompileRung, forward: Forward, dtype: DType, counts: Collection[int],
+                      batches: Sequence[Any], references: Sequence[Any], gate: QualityGate, run: Run,
+                      ) -> tuple[int, ...]:
+    """The thread counts the accepted compiled ``forward`` is proven at: the process's count now, and each other
+    count in ``counts`` where the warmup, the gate and the steady state pass there too. Dynamo guards the intra-op
+    thread count with the rest of torch's global state, so a compiled forward called at another count compiles again;
+    after READY the shape policy's stance would serve that call eagerly instead."""
+    now = torch.get_num_threads()
+    proven = [now]
+    others = sorted(set(counts) - {now}, reverse=True)
+    for count in others:
+        started = time.perf_counter()
+        name = f"{rung.name} ({dtype.value}) at {count} thread(s)"
+        torch.set_num_threads(count)
+        try:
+            with rung.warmup_context(len(batches) * (1 + len(others))):  # graphs per shape and count
+                before = dynamo_counts()
+                quality = _prove(name, forward, batches, references, gate, run)
+                _check_steady_state(forward, batches, run, before)
+        except Exception as exc:  # noqa: BLE001 -- no dynamo reset: the graphs proven so far must stay
+            logger.warning("rung %s failed after %.1fs, so it runs at %s thread(s) only: %s", name, _since(started),
+                           "/".join(map(str, sorted(proven))), summarize(exc))
+            continue
+        finally:
+            torch.set_num_threads(now)
+        proven.append(count)
+        logger.info("rung %s proven too: %s %.6f, in %.1fs", name, quality.metric, quality.value, _since(started))
+    return tuple(sorted(proven))
 
 
 class _Walk:

@@ -42,6 +42,11 @@ class Rung(ABC):
     def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
         """``module`` (already in ``dtype``) run this way."""
 
+    def follows_threads(self) -> bool:
+        """Whether what ``apply`` builds runs at any intra-op thread count as it was proven (handlers.core_share);
+        else at the count it was built at, unless the ladder proves it at others too."""
+        return False
+
     def notes(self, device: torch.device) -> list[str]:
         """Things the configured rung cannot do on this device, for describe."""
         return []
@@ -170,6 +175,9 @@ class EagerRung(Rung):
 
     def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
         return module
+
+    def follows_threads(self) -> bool:
+        return True
 
 
 def build_ladder(config: HandlerConfig, device: torch.device,

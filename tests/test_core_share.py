@@ -14,8 +14,6 @@ import pytest
 import torch
 
 from handlers import core_share
-from handlers.config import DType
-from handlers.engine import _follows_threads
 from tests.test_embeddings import make_engine
 
 CPUS = frozenset({0, 1})
@@ -33,7 +31,7 @@ SIBLING = textwrap.dedent("""
         if command == "batch":
             batches.enter_context(share.batch())
         elif command == "forward":
-            grant = forwards.enter_context(share.forward(int(args[0]) if args else None))
+            grant = forwards.enter_context(share.forward({int(args[0])} if args else None))
             print("granted", grant.threads, flush=True)
             continue
         elif command == "end":  # the forwards, not the batch
@@ -147,13 +145,28 @@ def test_a_forward_built_for_its_thread_count_runs_at_it_once_the_cores_are_free
     mine, other = share(tmp_path), siblings()
     assert other.send("batch") == "ok" and other.send("forward 1") == "granted 1"
     later = other.later(0.3, "release")
-    with mine.batch(), mine.forward(built_for=2) as grant:
+    with mine.batch(), mine.forward(runs_at={2}) as grant:
         assert grant.threads == 2 and grant.waited_ms >= 250, grant
     later.join()
     assert other.read() == "ok"
     assert other.send("batch") == "ok" and other.send("forward 1") == "granted 1"
-    with mine.forward(built_for=1) as grant, mine.forward(built_for=1) as nested:  # 1 + 1 fits: no wait
+    with mine.forward(runs_at={1}) as grant, mine.forward(runs_at={1}) as nested:  # 1 + 1 fits: no wait
         assert grant.threads == nested.threads == 1 and grant.waited_ms < 250, grant
+
+
+def test_a_forward_built_for_several_counts_takes_the_largest_within_its_share(tmp_path, siblings):
+    mine, other = share(tmp_path, 8), siblings(8)
+    with mine.batch(), mine.forward(runs_at={8, 4, 1}) as grant:
+        assert grant.threads == 8
+    assert other.send("batch") == "ok"
+    with mine.batch(), mine.forward(runs_at={8, 4, 1}) as grant:
+        assert grant.threads == 4
+    third = siblings(8)
+    assert third.send("batch") == "ok"
+    with mine.batch(), mine.forward(runs_at={8, 4, 1}) as grant:  # a share of 2: the largest count within it
+        assert grant.threads == 1
+    with mine.batch(), mine.forward(runs_at={8, 4}) as grant:  # none within it: the smallest
+        assert grant.threads == 4
 
 
 def test_a_killed_worker_keeps_no_cores(tmp_path, siblings):
@@ -195,11 +208,3 @@ def test_threads_configured_are_the_threads_every_forward_runs(tiny_bert_dir):
         assert engine.last_batch.threads == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-
-
-def test_which_forwards_follow_the_thread_count():
-    """Measured on CPU D: fp32 (compiled or eager) scales with the threads it gets; oneDNN's int8 weights are packed
-    for the threads of the process that packed them."""
-    assert _follows_threads("compile", DType.FLOAT32) and _follows_threads("eager", DType.FLOAT32)
-    assert not _follows_threads("compile", DType.INT8)
-    assert not _follows_threads("ipex", DType.FLOAT32) and not _follows_threads("compile", DType.BFLOAT16)

@@ -837,3 +837,52 @@ def test_int8_is_judged_on_held_out_batches_its_calibration_never_saw(net, batch
         assert "below the gate's 0.9 on held-out batches (calibration never saw them; the warmup batches read " \
                in screen.reason
         assert result.dtype is DType.FLOAT32
+
+
+def fails_at_one_thread(graph_module, example_inputs):
+    """A dynamo backend (``tests.test_ladder:fails_at_one_thread``) that cannot compile at 1 thread."""
+    if torch.get_num_threads() == 1:
+        raise RuntimeError("no kernels for 1 thread")
+    return graph_module.forward
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_compiled_forward_is_proven_at_each_thread_count_it_may_be_given(net, batches, two_threads):
+    """Dynamo guards the intra-op thread count with torch's global state: called at another count, a compiled
+    forward compiles again, which after READY the stance refuses (here: after_ready fail raises)."""
+    torch._dynamo.reset()
+    rung = CompileRung("compile", CompileSpec(enabled=True, backend="eager"))
+    result = run_ladder(net, (DType.FLOAT32,), [rung, EagerRung()], batches, lambda dtype: GATE,
+                        thread_counts=(1, 2))
+    assert result.active == "compile" and result.threads == (1, 2)
+    assert torch.get_num_threads() == 2  # the load's count again
+    guard = GuardedForward(result, net, 3, AfterReady.FAIL)
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        torch.testing.assert_close(guard(**batches[0]), eager_out(net, batches[0]))
+    assert guard.eager_batches == 0 and guard.failures == 0
+    torch.set_num_threads(3)
+    with pytest.raises(ShapeNotWarmed):
+        guard(**batches[0])
+
+
+def test_a_thread_count_the_compile_fails_at_is_left_out(net, batches, two_threads):
+    torch._dynamo.reset()
+    rung = CompileRung("compile", CompileSpec(enabled=True, backend="tests.test_ladder:fails_at_one_thread"))
+    result = run_ladder(net, (DType.FLOAT32,), [rung, EagerRung()], batches, lambda dtype: GATE,
+                        thread_counts=(1, 2))
+    assert result.active == "compile" and result.threads == (2,)
+
+
+def test_eager_runs_at_any_thread_count_and_ipex_at_the_one_it_was_built_at(net, batches):
+    result = run_ladder(net, (DType.FLOAT32,), [EagerRung()], batches, lambda dtype: GATE, thread_counts=(1, 2))
+    assert result.active == "eager" and result.threads is None
+    assert EagerRung().follows_threads() and not IpexRung(torch.device("cpu")).follows_threads()
+    assert not CompileRung("compile", CompileSpec(enabled=True)).follows_threads()

@@ -316,8 +316,8 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
         ready_workers = re.findall(r"worker \d+: pid \d+ READY$", shown, re.M)
         assert len(ready_workers) == 3 and "serving: rung compile" in shown, shown
         # Sized from minWorkers 1, each worker would run every core: their forwards share them instead
-        threads = describe(server)["customizedMetadata"]["optimization"]["threads"]
-        assert threads["per_forward"].startswith("shared with the other workers on these"), threads
+        intra_op = describe(server)["customizedMetadata"]["optimization"]["threads"]
+        assert intra_op["per_forward"].startswith("shared with the other workers on these"), intra_op
         phase[0] = "down"
         manage(server, "scale", "minilm", "--min", "1", "--max", "1")
         deadline = time.monotonic() + 120
