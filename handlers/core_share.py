@@ -6,11 +6,10 @@ its threads from the model YAML's ``minWorkers`` as if it were alone: measured o
 worker added that way cut the model from 157 to 52 req/s at 16 clients, p99 945 ms. So before each forward a worker
 asks here how many threads it may run:
 
-* a forward whose kernels follow the thread count (fp32, the float compiles, eager) runs on every core when no other
-  worker holds a batch, on ``cores // n`` threads while n workers do (one each on 2 cores);
-* a forward built for some thread counts runs at the largest of them within its share: oneDNN packs int8 weights for
-  the threads of the process that packed them (measured: an int8 forward packed at 2 threads takes 4.6x as long at 1
-  thread, one packed at 1 takes 2.4x as long at 2), so the ladder builds it once per count it may get;
+* a forward runs on every core when no other worker holds a batch, on ``cores // n`` threads while n workers do (one
+  each on 2 cores);
+* a forward proven at some thread counts only (a compiled one: dynamo compiles per count, and the ladder proves it at
+  every core and half of them) runs at the largest of them within its share;
 * either waits while the threads of the forwards already running leave too few cores, rather than oversubscribe them.
 
 Workers find each other through byte-range locks (``fcntl.lockf``) on one small file per set of cores in the temp

@@ -403,7 +403,7 @@ class Engine:
             runs_at = "/".join(map(str, self._runs_at or ()))
             threads["per_forward"] = (
                 f"shared with the other workers on these {self.cores.cores} cores: all of them alone, an equal share "
-                "while other workers hold batches" + (f", of the counts its weights were packed for ({runs_at})"
+                "while other workers hold batches" + (f", of the counts its compiled forward was proven at ({runs_at})"
                                                       if self._runs_at else ""))
         return threads
 

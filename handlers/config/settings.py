@@ -283,9 +283,8 @@ class SettingsSection(Section):
     """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it (fixed); else the workers on the
     usable cores (CPU affinity, capped by the container's CPU limit) share them forward by forward: a forward runs on
     every core while no other worker holds a batch, on an equal share while others do, and waits rather than
-    oversubscribe them (a worker loads on the usable cores divided by `minWorkers`; an int8 forward, whose packed
-    weights suit one thread count, is built for every core and for half of them). A number: that many threads for
-    every forward, shared with no one."""
+    oversubscribe them (a worker loads on the usable cores divided by `minWorkers`; its compiled forward is proven at
+    every core and at half of them). A number: that many threads for every forward, shared with no one."""
     compile_cache: StrictStr | None = DEFAULTS.compile_cache
     """Where inductor keeps compiled graphs and kernels. Left out: `TORCHINDUCTOR_CACHE_DIR`, else torch's default.
     An unusable directory is replaced by a private one, with a warning."""
