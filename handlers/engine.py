@@ -45,8 +45,8 @@ class BatchStats:
     requests: int = 0
     milliseconds: dict[str, float] = field(default_factory=dict)  # parse, preprocess, forward, postprocess
     real_tokens: int = 0  # tokens of the requests' texts, in the rows forward_batch ran
-    threads: int = 0  # the forward's intra-op threads (handlers.core_share)
     run_tokens: int = 0  # rows x sequence as run, after padding to the batch and to a shape bucket
+    threads: int = 0  # the forward's intra-op threads (handlers.core_share)
 
     @property
     def padding_ratio(self) -> float:
@@ -84,7 +84,7 @@ class Engine:
         self.dtype = hardware.Choice(self.precisions.value[0], "not loaded yet")  # the precision served
         self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)  # at load
         self.cores = hardware.core_share(config.settings.threads, device)  # None: every forward at self.threads
-        self._runs_at: tuple[int, ...] | None = None  # the thread counts the served forward was built for; None: any
+        self._runs_at: tuple[int, ...] | None = None  # the thread counts the served forward was proven at; None: any
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
         self._guard: GuardedForward | None = None
@@ -395,7 +395,6 @@ class Engine:
             "batches": {"count": self.batches, "max_requests": self.max_batch_requests},
             "config_warnings": list(self.config.warnings),
         }
-
 
     def _describe_threads(self) -> dict[str, Any]:
         threads: dict[str, Any] = {"intra_op": self.threads.value, "reason": self.threads.reason}
