@@ -34,7 +34,11 @@ from pathlib import Path
 SLOTS = 16  # workers that can take part on one set of cores; a 17th runs on its own, as before this module
 _MUTEX = 0  # held while one worker reads the others and takes its threads
 _FIRST_SLOT = 8
-_SLOT_BYTES = 4  # owned (for the process's life), holds a batch, runs a forward, threads of that forward
+_SLOT_BYTES = 4  # per slot, at these offsets:
+_OWNED = 0  # locked for the life of the process in the slot
+_BATCH = 1  # locked while it holds a batch
+_FORWARD = 2  # locked while it runs a forward
+_THREADS = 3  # written: the threads of that forward
 _WAIT_SECONDS = 0.0005  # between looks while the cores are taken: a forward takes milliseconds
 
 
@@ -58,7 +62,7 @@ class CoreShare:
             os.ftruncate(self._fd, size)  # each worker writes only its own slot's byte
         self.slot = self._claim_slot()
         self._lock = threading.Lock()
-        self._depth = {1: 0, 2: 0}  # nested holds of this slot's batch and forward bytes, within this process
+        self._depth = {_BATCH: 0, _FORWARD: 0}  # nested holds of this slot's bytes, within this process
 
     @property
     def joined(self) -> bool:
@@ -68,14 +72,13 @@ class CoreShare:
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Held from a batch's arrival to its answers: the other workers size their forwards by how many do."""
-        with self._held(1):
+        with self._held(_BATCH):
             yield
 
     @contextmanager
     def forward(self, runs_at: Collection[int] | None = None) -> Iterator[Grant]:
-        """The threads one forward may run, held until it ends. ``runs_at``: the thread counts the forward was
-        built for, where it only runs well at those (the largest within its share, else the smallest); None for
-        one that follows whatever count it gets."""
+        """The threads one forward may run, held until it ends. ``runs_at``: the only thread counts the forward was
+        proven at (it gets the largest within its share, else the smallest); None for one that runs at any count."""
         if self.slot is None:
             yield Grant(max(runs_at) if runs_at else self.cores, 0.0)
             return
@@ -85,30 +88,30 @@ class CoreShare:
                 holding, running = self._others()
                 threads = _within(max(1, self.cores // (holding + 1)), runs_at)
                 if running == 0 or running + threads <= self.cores:
-                    os.pwrite(self._fd, bytes([min(threads, 255)]), self._offset(3))
-                    self._take(2)
+                    os.pwrite(self._fd, bytes([min(threads, 255)]), self._offset(_THREADS))
+                    self._take(_FORWARD)
                     break
             time.sleep(_WAIT_SECONDS)
         try:
             yield Grant(threads, round((time.perf_counter() - started) * 1e3, 3))
         finally:
-            self._give(2)
+            self._give(_FORWARD)
 
     def _others(self) -> tuple[int, int]:
         """Other workers holding a batch, and the threads of the others' running forwards."""
         counts = os.pread(self._fd, SLOTS * _SLOT_BYTES, _FIRST_SLOT)
         holding = running = 0
         for slot in range(SLOTS):
-            if slot == self.slot or not self._is_locked(self._offset(0, slot)):
+            if slot == self.slot or not self._is_locked(self._offset(_OWNED, slot)):
                 continue
-            holding += self._is_locked(self._offset(1, slot))
-            if self._is_locked(self._offset(2, slot)):
-                running += counts[slot * _SLOT_BYTES + 3] or 1
+            holding += self._is_locked(self._offset(_BATCH, slot))
+            if self._is_locked(self._offset(_FORWARD, slot)):
+                running += counts[slot * _SLOT_BYTES + _THREADS] or 1
         return holding, running
 
     def _claim_slot(self) -> int | None:
         for slot in range(SLOTS):
-            if self._try_lock(self._offset(0, slot)):
+            if self._try_lock(self._offset(_OWNED, slot)):
                 return slot
         return None
 
