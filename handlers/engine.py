@@ -400,10 +400,11 @@ class Engine:
         threads: dict[str, Any] = {"intra_op": self.threads.value, "reason": self.threads.reason}
         if self.cores is not None:
             runs_at = "/".join(map(str, self._runs_at or ()))
+            proven = f", of the counts its compiled forward was proven at ({runs_at})" if self._runs_at else ""
             threads["per_forward"] = (
                 f"shared with the other workers on these {self.cores.cores} cores: all of them alone, an equal share "
-                "while other workers hold batches" + (f", of the counts its compiled forward was proven at ({runs_at})"
-                                                      if self._runs_at else ""))
+                f"while other workers hold batches or held them at once in the last {self.cores.remember_s:g}s"
+                + proven)
         return threads
 
 

@@ -93,8 +93,8 @@ def siblings(tmp_path):
         sibling.close()
 
 
-def share(tmp_path: Path, cores: int = 2) -> core_share.CoreShare:
-    return core_share.for_cores(cores, CPUS, tmp_path)
+def share(tmp_path: Path, cores: int = 2, remember_s: float = core_share.REMEMBER_S) -> core_share.CoreShare:
+    return core_share.for_cores(cores, CPUS, tmp_path, remember_s)
 
 
 def test_a_forward_alone_runs_on_every_core(tmp_path):
@@ -104,7 +104,7 @@ def test_a_forward_alone_runs_on_every_core(tmp_path):
 
 
 def test_while_another_worker_holds_a_batch_each_forward_takes_an_equal_share(tmp_path, siblings):
-    mine, other = share(tmp_path, 4), siblings(4)
+    mine, other = share(tmp_path, 4, remember_s=0.0), siblings(4)  # the overlap forgotten at once (next test)
     assert other.send("batch") == "ok"
     with mine.batch(), mine.forward() as grant:
         assert grant.threads == 2
@@ -115,6 +115,26 @@ def test_while_another_worker_holds_a_batch_each_forward_takes_an_equal_share(tm
     assert other.send("release") == third.send("release") == "ok"
     with mine.batch(), mine.forward() as grant:
         assert grant.threads == 4
+
+
+def test_workers_whose_batches_overlapped_keep_their_shares_for_a_while(tmp_path, siblings):
+    """Under steady load a sibling is often between two batches: a forward that then took every core would make the
+    sibling's next forward wait for it. Workers one at a time never overlap, and keep every core."""
+    mine, other = share(tmp_path, remember_s=1.0), siblings()
+    assert other.send("batch") == "ok" and other.send("forward") == "granted 2" and other.send("release") == "ok"
+    with mine.batch(), mine.forward() as grant:  # one after the other: no overlap
+        assert grant.threads == 2
+    assert other.send("batch") == "ok"
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 1
+    assert other.send("release") == "ok"
+    with mine.batch(), mine.forward() as grant:  # the sibling between two batches
+        assert grant.threads == 1
+    assert other.send("forward") == "granted 1"  # and the sibling remembers it too, with no batch held now
+    assert other.send("release") == "ok"
+    time.sleep(1.1)
+    with mine.batch(), mine.forward() as grant:
+        assert grant.threads == 2
 
 
 def test_the_other_worker_sees_this_ones_batch_and_forward(tmp_path, siblings):
