@@ -213,8 +213,10 @@ def test_compiled_tiny_model_with_live_fallback(tiny_bert_dir):
     assert engine.describe()["optimization"]["runtime"]["demoted"] is True
 
 
+# One thread count: with shared cores (threads: auto) each of the 9 graphs would be proven at a second count too,
+# which tests/test_ladder.py and tests/test_core_share.py cover; this is about padding.
 BUCKETS = {"pt2": {"compile": {"enable": True, "backend": "aot_eager"}},
-           "pt2_handlers": {"ladder": ["compile"], "dtype": "float32", "max_inputs_per_request": 8,
+           "pt2_handlers": {"ladder": ["compile"], "dtype": "float32", "max_inputs_per_request": 8, "threads": 1,
                             "shapes": {"policy": "buckets", "batch_sizes": [1, 2, 4], "seq_lengths": [8, 16, 32],
                                        "after_ready": "fail"}}}
 
