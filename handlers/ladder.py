@@ -203,7 +203,8 @@ def _at_thread_counts(rung: CompileRung, forward: Forward, dtype: DType, counts:
     """The thread counts the accepted compiled ``forward`` is proven at: the process's count now, and each other
     count in ``counts`` where the warmup, the gate and the steady state pass there too. Dynamo guards the intra-op
     thread count with the rest of torch's global state, so a compiled forward called at another count compiles again;
-    after READY the shape policy's stance would serve that call eagerly instead."""
+    after READY the shape policy's stance would serve that call eagerly instead; an inductor compile on shared cores
+    leaves that guard out (``handlers.global_state``), and serves every count with the same graphs."""
     now = torch.get_num_threads()
     proven = [now]
     others = sorted(set(counts) - {now}, reverse=True)
@@ -227,7 +228,11 @@ def _at_thread_counts(rung: CompileRung, forward: Forward, dtype: DType, counts:
         finally:
             torch.set_num_threads(now)
         proven.append(count)
-        logger.info("rung %s proven too: %s %.6f, in %.1fs", name, quality.metric, quality.value, _since(started))
+        # One set of graphs where the compile follows the count; else graphs of its own.
+        graphs = (f"{compiled.graphs} graph(s) compiled for it" if compiled.graphs
+                  else f"on the graphs compiled at {now} thread(s)")
+        logger.info("rung %s proven too, %s: %s %.6f, in %.1fs", name, graphs, quality.metric, quality.value,
+                    _since(started))
     return tuple(sorted(proven))
 
 

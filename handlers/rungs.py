@@ -17,7 +17,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from handlers.config import CompileSpec, DType, HandlerConfig, RungName
-from handlers import prepacked_cache
+from handlers import global_state, prepacked_cache
 from handlers.ipex import IPEX_BACKEND, probe_ipex
 
 Forward = Callable[..., Any]
@@ -73,7 +73,15 @@ class CompileRung(Rung):
         return dtype is not DType.INT8 or self.spec.backend != IPEX_BACKEND  # IPEX's backend knows no torchao
 
     def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
-        compiled = torch.compile(module, **self.spec.kwargs())
+        kwargs = self.spec.kwargs()
+        # Shared cores: kernels that follow the thread count, and one graph for every count (handlers.global_state).
+        one_graph = (self.spec.threads_follow and self.spec.backend == "inductor"
+                     and global_state.guard_can_be_left_out())
+        if one_graph:
+            kwargs["options"] = {**kwargs["options"], "guard_filter_fn": global_state.without_global_state_guard}
+        compiled = torch.compile(module, **kwargs)
+        if one_graph:
+            compiled = global_state.checked(compiled)
         # int8 always freezes: its int8 linears fuse into oneDNN's qlinear only on constant weights.
         if (self.spec.freezing or dtype is DType.INT8) and self.spec.backend == "inductor":
             compiled = _freezing_while_traced(compiled)

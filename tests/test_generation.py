@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from handlers import global_state
 from handlers.config import load_config
 from handlers.engine import Engine
 from handlers.errors import ConfigError, InvalidInput
@@ -169,8 +170,10 @@ def test_the_decode_step_compiles_one_graph_per_bucket_and_nothing_after_the_war
     graph break): its own counters say whether the step really compiled, and stays compiled."""
     engine, at_load = request.getfixturevalue(loaded)
     buckets = engine.shapes.warmup_shapes()
-    counts = engine._runs_at or (torch.get_num_threads(),)  # dynamo compiles per intra-op thread count
-    assert at_load == DynamoCounts(graphs=len(buckets) * len(counts), graph_breaks=0, frames_given_up=0)
+    counts = engine._runs_at or (torch.get_num_threads(),)
+    # One set of graphs for every count on shared cores (handlers.global_state); torch 2.8 compiles per count.
+    sets = 1 if engine.cores is not None and global_state.guard_can_be_left_out() else len(counts)
+    assert at_load == DynamoCounts(graphs=len(buckets) * sets, graph_breaks=0, frames_given_up=0)
     task = engine._task
     before, threads = dynamo_counts(), torch.get_num_threads()
     try:

@@ -14,7 +14,7 @@ import torch
 from handlers.config import CompileSpec, DType, RungName, load_config
 from handlers.dynamo_watch import dynamo_counts
 from handlers.guard import GuardedForward, ShapeNotWarmed, is_refused_recompile
-from handlers import race
+from handlers import global_state, race
 from handlers.ladder import AttemptStatus, Calibration, QualityError, run_ladder
 from handlers.memory import Memory
 from handlers.rungs import CompileRung, EagerRung, IpexRung, Rung, build_ladder
@@ -871,6 +871,46 @@ def test_a_compiled_forward_is_proven_at_each_thread_count_it_may_be_given(net, 
     torch.set_num_threads(3)
     with pytest.raises(ShapeNotWarmed):
         guard(**batches[0])
+
+
+def test_an_inductor_compile_on_shared_cores_serves_every_count_with_the_same_graphs(net, batches, two_threads):
+    """handlers.global_state: compiled with kernels that follow the thread count, the forward leaves dynamo's
+    global-state guard out and checks the rest of that state itself. Under torch 2.8, which always adds the guard,
+    each count compiles its own graphs, as in the test above."""
+    rung = CompileRung("compile", CompileSpec(enabled=True, backend="inductor", threads_follow=True))
+    one_set = global_state.guard_can_be_left_out()
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    assert run_ladder(net, (DType.FLOAT32,), [rung], batches, lambda dtype: GATE).active == "compile"
+    at_one_count = compiled_graphs() - before
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    result = run_ladder(net, (DType.FLOAT32,), [rung, EagerRung()], batches, lambda dtype: GATE,
+                        thread_counts=(1, 2))
+    assert result.active == "compile" and result.threads == (1, 2)
+    at_two_counts = compiled_graphs() - before
+    assert at_two_counts == at_one_count if one_set else at_two_counts > at_one_count  # 2.8: graphs of its own
+    guard = GuardedForward(result, net, 3, AfterReady.FAIL)
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        torch.testing.assert_close(guard(**batches[0]), eager_out(net, batches[0]))
+    assert guard.failures == 0
+    torch.set_num_threads(3)  # a count it was not proven at (the share never gives one)
+    if not one_set:
+        with pytest.raises(ShapeNotWarmed):
+            guard(**batches[0])
+        return
+    torch.testing.assert_close(guard(**batches[0]), eager_out(net, batches[0]))  # the same graphs
+    assert compiled_graphs() - before == at_one_count
+    torch.set_num_threads(2)
+    torch.use_deterministic_algorithms(True)  # the rest of the global state is still checked, by the forward
+    try:
+        answer = guard(**batches[0])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(answer, eager_out(net, batches[0]))  # served eagerly
+    assert guard.failures == 1 and "GlobalStateChanged" in guard.last_failure, guard.last_failure
+    assert "deterministic_algorithms" in guard.last_failure
 
 
 def test_a_thread_count_the_compile_fails_at_is_left_out(net, batches, two_threads):
