@@ -47,7 +47,7 @@ _BATCH = 1  # locked while it holds a batch
 _FORWARD = 2  # locked while it runs a forward
 _THREADS = 3  # written: the threads of that forward
 _WAIT_SECONDS = 0.0005  # between looks while the cores are taken: a forward takes milliseconds
-REMEMBER_S = 0.5  # how long workers keep their shares after batches last overlapped: longer than a batch's gap
+REMEMBER_S = 0.1  # how long workers keep their shares after batches last overlapped: a batch cycle, with room
 _LAYOUT = 2  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
 
 
