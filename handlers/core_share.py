@@ -8,8 +8,8 @@ asks here how many threads it may run:
 
 * a forward runs on every core when no other worker holds a batch, on ``cores // n`` threads while n workers do (one
   each on 2 cores);
-* a forward proven at some thread counts only (a compiled one: dynamo compiles per count, and the ladder proves it at
-  every core and half of them) runs at the largest of them within its share;
+* a forward proven at some thread counts only (a compiled one: the ladder proves it at every core and half of them)
+  runs at the largest of them within its share;
 * either waits while the threads of the forwards already running leave too few cores, rather than oversubscribe them;
 * workers that held batches at once within the last ``REMEMBER_S`` keep their shares, even for a forward that finds
   no other batch: under steady load a sibling is often between two batches, and a forward that then took every core
