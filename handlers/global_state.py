@@ -49,7 +49,7 @@ def checked(forward: Callable[..., Any]) -> Callable[..., Any]:
             changed = sorted(set(first[0].reason().split()) - {_THREADS})
             if changed:
                 raise GlobalStateChanged(f"torch's global state changed since the forward was compiled "
-                                         f"({', '.join(changed)}); it guards no longer on it")
+                                         f"({', '.join(changed)}), and its compile does not guard it")
         return forward(*args, **kwargs)
 
     return call
