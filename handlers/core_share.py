@@ -16,6 +16,11 @@ asks here how many threads it may run:
   made the sibling's next forward wait for it (measured on CPU D, two int8 workers at 16 clients: 156 req/s
   forward by forward, 170 with one thread each). Requests one at a time never overlap, so they still get every core.
 
+Workers of one model on these cores also take turns loading it (``loading``): started together (``minWorkers: 2``),
+each measured its rungs, races and costs while the other compiled on the cores it needed, and neither served until
+both were done (CPU D, the int8 archive cold: READY after 108 and 110 s); in turn the first serves after 80 s and the
+second, loading from what the first kept (its compile cache and measurements), after 98 s.
+
 Workers find each other through byte-range locks (``fcntl.lockf``) on one small file per set of cores in the temp
 directory. A lock dies with its process, so a killed worker never keeps cores. POSIX locks belong to a process, so a
 process has one ``CoreShare`` per file (``for_cores``), whatever number of engines it runs.
@@ -48,7 +53,19 @@ _FORWARD = 2  # locked while it runs a forward
 _THREADS = 3  # written: the threads of that forward
 _WAIT_SECONDS = 0.0005  # between looks while the cores are taken: a forward takes milliseconds
 REMEMBER_S = 0.1  # how long workers keep their shares after batches last overlapped: a batch cycle, with room
+_LOADS = 4096  # past the slots: one byte per model (its name hashed), locked while a worker of it loads
+_LOAD_KEYS = 4096  # a shared byte between two names only makes them take turns too
+_LOAD_LOOK_SECONDS = 0.25  # between looks while a sibling loads: a load takes seconds
 _LAYOUT = 2  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A worker's turn to load: how long it waited for its siblings' loads, and whether it had them end (False: it
+    gave up waiting and loads beside one)."""
+
+    waited_s: float
+    alone: bool
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,7 @@ class CoreShare:
         self.slot = self._claim_slot()
         self._lock = threading.Lock()
         self._depth = {_BATCH: 0, _FORWARD: 0}  # nested holds of this slot's bytes, within this process
+        self._loads: dict[int, int] = {}  # load bytes this process holds, and how many of its engines hold each
 
     @property
     def joined(self) -> bool:
@@ -106,6 +124,37 @@ class CoreShare:
             yield Grant(threads, round((time.perf_counter() - started) * 1e3, 3))
         finally:
             self._give(_FORWARD)
+
+    @contextmanager
+    def loading(self, model: str, wait_s: float) -> Iterator[Turn]:
+        """Held while this process loads ``model``: another worker of it on these cores loads after, or, past
+        ``wait_s`` of waiting, beside it. Engines of one process never wait for each other (the locks are the
+        process's)."""
+        offset = _LOADS + int.from_bytes(hashlib.sha256(model.encode()).digest()[:4], "little") % _LOAD_KEYS
+        started = time.monotonic()
+        held = self._take_load(offset)
+        while not held and time.monotonic() - started < wait_s:
+            time.sleep(_LOAD_LOOK_SECONDS)
+            held = self._take_load(offset)
+        try:
+            yield Turn(round(time.monotonic() - started, 1), held)
+        finally:
+            if held:
+                self._give_load(offset)
+
+    def _take_load(self, offset: int) -> bool:
+        with self._lock:
+            if self._loads.get(offset) or self._try_lock(offset):
+                self._loads[offset] = self._loads.get(offset, 0) + 1
+                return True
+            return False
+
+    def _give_load(self, offset: int) -> None:
+        with self._lock:
+            self._loads[offset] -= 1
+            if self._loads[offset] == 0:
+                del self._loads[offset]
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
 
     def _sharing(self, now_holding: int) -> int:
         """Workers to share the cores among: those holding a batch now (this one too), or as many as held batches at

@@ -69,6 +69,7 @@ class Engine:
         self.state = State.LOADING
         self.failure: str | None = None
         self.load_seconds: float | None = None
+        self.load_waited_s: float = 0.0  # of load_seconds: waiting for another worker of this model to load
         self.attempts: list[Attempt] = []
         self.int8_calibration: str | None = None  # int8 was tried: what it was calibrated on and judged on
         self.cache_use: dict[str, dict[str, int]] | None = None  # what the compile caches served at load
@@ -96,7 +97,8 @@ class Engine:
         for warning in self.config.warnings:
             logger.warning("config: %s", warning)
         try:
-            self._load()
+            with self._turn_to_load():
+                self._load()
         except Exception as exc:
             self.state, self.failure = State.FAILED, summarize(exc)
             logger.error("model %s failed to load: %s", self.model_name, self.failure)
@@ -104,6 +106,30 @@ class Engine:
         self.load_seconds = round(time.perf_counter() - started, 3)
         self.state = State.READY
         logger.info("model %s READY on rung %s after %.1fs", self.model_name, self.active_rung, self.load_seconds)
+
+    @contextmanager
+    def _turn_to_load(self) -> Iterator[None]:
+        """Workers of this model on the cores this one shares load one after another (``CoreShare.loading``), each
+        on every core: it measures on cores its siblings leave quiet, at the count it runs at alone, and the next
+        loads from what the first kept (measured on CPU D, the int8 archive cold with ``minWorkers: 2``: loading
+        beside each other on one core each, both READY after 108-110 s; in turn on every core, after 80 and 98 s)."""
+        if self.cores is None:
+            yield
+            return
+        wait_s = self.config.startup_timeout / 2
+        with self.cores.loading(self.model_name, wait_s) as turn:
+            self.load_waited_s = turn.waited_s
+            if turn.alone and self.threads.value != self.cores.cores:
+                self.threads = hardware.Choice(self.cores.cores, (
+                    f"auto: {self.cores.cores} usable cores (CPU affinity and limit); this model's workers load in "
+                    "turn, each on all of them, and share them forward by forward once READY (per_forward)"))
+            if not turn.alone:
+                logger.warning("load: another worker of %s still loads on these cores after %.0fs (half of "
+                               "startupTimeout); loading beside it", self.model_name, turn.waited_s)
+            elif turn.waited_s >= 1:
+                logger.info("load: waited %.1fs for another worker of %s to load on these cores; this one loads "
+                            "from what it kept", turn.waited_s, self.model_name)
+            yield
 
     def _load(self) -> None:
         settings = self.config.settings
@@ -391,6 +417,7 @@ class Engine:
             "task": settings.task,
             "inputs": self._task.describe_inputs() if self._task else None,
             "load_seconds": self.load_seconds,
+            "load_waited_s": self.load_waited_s,
             "optimization": optimization,
             "batches": {"count": self.batches, "max_requests": self.max_batch_requests},
             "config_warnings": list(self.config.warnings),

@@ -10,6 +10,9 @@ Three measurements, one run, one fresh compile cache directory:
    pod would be) and a new TorchServe starts from the copy; time until READY.
 4. the same from a copy without what the loads measured (``handlers.memory``: the races, int8's choice of layers),
    so the worker measures again: what remembering them saves.
+5. with ``--workers N`` (N > 1): a cold start of the model YAML with ``minWorkers: N``, from another empty cache;
+   time until the first worker is READY and until all are (the workers of a model load in turn, each on every core,
+   and the next loads from what the first kept: ``CoreShare.loading``).
 
 Each worker's own load time (from the handler's READY log line) is recorded beside the wall-clock times.
 
@@ -88,23 +91,50 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     tsctl.stop(tmp / "run-c")
     rows.append({"case": "new host, graphs only", "ready_seconds": round(unmeasured, 1),
                  "worker_load_seconds": worker_load_seconds(tmp / "run-c")[-1]})
+    if args.workers > 1:
+        rows += cold_workers(args, tmp, config)
     for row in rows:
         row["vs_cold"] = round(row["ready_seconds"] / cold, 2)
         row["cache_mb"] = round(size_mb, 1)
     return rows
 
 
+def cold_workers(args: argparse.Namespace, tmp: Path, config: Path) -> list[dict]:
+    """Case 5: a cold start with ``minWorkers: args.workers``, timed to the first READY worker and to the last."""
+    import yaml
+
+    bc.log(f"5/5 cold start with minWorkers {args.workers} (another empty compile cache)")
+    model_yaml = bc.apply_settings(yaml.safe_load(args.config.read_text()), [f"minWorkers={args.workers}"])
+    (tmp / "workers.yaml").write_text(yaml.safe_dump(model_yaml, sort_keys=False))
+    store = tmp / "store-workers"
+    package.build(MODEL, package.default_model_dir(), tmp / "workers.yaml", store)
+    started = time.monotonic()
+    server, first = start_timed(config, store, tmp / "run-d", tmp / "cache-workers")
+    try:
+        tsctl.wait_ready(server, MODEL, timeout=900, count=args.workers)
+        every = time.monotonic() - started
+    finally:
+        tsctl.stop(tmp / "run-d")
+    loads = worker_load_seconds(tmp / "run-d")  # each worker's, its wait for its turn included
+    return [{"case": f"minWorkers {args.workers}, cold: first READY", "ready_seconds": round(first, 1),
+             "worker_load_seconds": min(loads)},
+            {"case": f"minWorkers {args.workers}, cold: all READY", "ready_seconds": round(every, 1),
+             "worker_load_seconds": max(loads)}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=bc.REPO / "model_configs" / "minilm-embeddings.yaml")
     parser.add_argument("--out", type=Path, default=bc.DEFAULT_OUT)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="above 1: also a cold start with this minWorkers (first and last worker READY)")
     args = parser.parse_args()
     header = bc.run_header(args)
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         try:
             rows = measure(args, Path(tmp))
         finally:  # the workers' own timings (per warmup shape), kept beside the results
-            for run in ("run-a", "run-b", "run-c"):
+            for run in ("run-a", "run-b", "run-c", "run-d"):
                 log = Path(tmp) / run / "logs" / "model_log.log"
                 if log.is_file():
                     args.out.mkdir(parents=True, exist_ok=True)

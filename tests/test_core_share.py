@@ -24,7 +24,7 @@ SIBLING = textwrap.dedent("""
     from pathlib import Path
     from handlers import core_share
     share = core_share.CoreShare(int(sys.argv[1]), Path(sys.argv[2]))
-    batches, forwards = ExitStack(), ExitStack()
+    batches, forwards, loads = ExitStack(), ExitStack(), ExitStack()
     print("joined", share.slot, flush=True)
     for line in sys.stdin:
         command, *args = line.split()
@@ -34,6 +34,11 @@ SIBLING = textwrap.dedent("""
             grant = forwards.enter_context(share.forward({int(args[0])} if args else None))
             print("granted", grant.threads, flush=True)
             continue
+        elif command == "load":  # a model's load, held until "loaded"
+            print("turn", loads.enter_context(share.loading(args[0], 0)).alone, flush=True)
+            continue
+        elif command == "loaded":
+            loads.close()
         elif command == "end":  # the forwards, not the batch
             forwards.close()
         elif command == "release":
@@ -195,6 +200,43 @@ def test_a_killed_worker_keeps_no_cores(tmp_path, siblings):
     other.close()
     with mine.batch(), mine.forward() as grant:
         assert grant.threads == 2 and grant.waited_ms < 100, grant
+
+
+def test_workers_of_one_model_load_in_turn(tmp_path, siblings):
+    """Another worker loading this model: this one waits for its load to end, or gives up waiting at the bound and
+    loads beside it. Another model's load, or another engine of this process, never holds it up."""
+    mine, other = share(tmp_path), siblings()
+    assert other.send("load minilm") == "turn True"
+    with mine.loading("minilm-int8", 60) as turn:
+        assert turn == core_share.Turn(0.0, True)
+    with mine.loading("minilm", 0.5) as turn:
+        assert not turn.alone and 0.5 <= turn.waited_s < 2, turn
+    releases = other.later(1.0, "loaded")
+    with mine.loading("minilm", 60) as turn:
+        assert turn.alone and 0.7 <= turn.waited_s < 10, turn
+        releases.join()
+        assert other.read() == "ok"
+        with mine.loading("minilm", 0) as nested:  # a second engine of this process
+            assert nested == core_share.Turn(0.0, True)
+        assert other.send("load minilm") == "turn False"  # still this process's turn after the nested load
+        assert other.send("loaded") == "ok"
+    assert other.send("load minilm") == "turn True"
+    other.close()  # a killed worker keeps no turn
+    with mine.loading("minilm", 60) as turn:
+        assert turn == core_share.Turn(0.0, True)
+
+
+def test_an_engine_loads_after_another_worker_of_its_model(tiny_bert_dir, siblings):
+    engine = make_engine(tiny_bert_dir, name="turns")
+    assert engine.cores is not None
+    other = siblings(engine.cores.cores, engine.cores.path)
+    assert other.send("load turns") == "turn True"
+    releases = other.later(1.0, "loaded")
+    engine.load()
+    releases.join()
+    assert other.read() == "ok"
+    waited = engine.describe()["load_waited_s"]
+    assert 0.7 <= waited <= engine.load_seconds, (waited, engine.load_seconds)
 
 
 def test_one_share_per_process_and_file(tmp_path):

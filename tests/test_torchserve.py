@@ -349,14 +349,20 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
             assert_close_embeddings(answer["embedding"], want[index])
     new = {w["id"] for w in workers} - first
     assert len(new) == 2
-    assert_loaded_from_the_cache(log.read_text(errors="replace")[offset:], new)
+    log_text = log.read_text(errors="replace")[offset:]
+    assert_loaded_from_the_cache(log_text, new)
+    # The two new workers took turns: one loaded, the other waited for it, then loaded from what it kept
+    waited = [w for w in new if re.search(rf"W-{w}-minilm_.* load: waited [\d.]+s for another worker of minilm",
+                                          log_text)]
+    assert len(waited) == 1, [line for line in log_text.splitlines() if " load: " in line]
 
 
 def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str], model: str = "minilm") -> None:
     """Each worker proved its rung (its READY line) with FX graphs from the compile cache: hits, no misses, none
     bypassed (a frozen int8 graph included: ``handlers.prepacked_cache``). Where auto's bf16 screen races fp32 eager
     (CPUs with bf16 instructions), a new worker follows the race the first one kept (``handlers.memory``): one that
-    raced while the others loaded beside it could pick the other precision, whose graph no worker compiled."""
+    raced while the others loaded beside it could pick the other precision, whose graph no worker compiled (workers
+    of one model now load in turn, ``CoreShare.loading``, and still follow it)."""
     autos_bf16_is_raced = DType.BFLOAT16 in hardware.resolve_precisions((DType.AUTO,), torch.device("cpu")).value
     for worker_id in worker_ids:
         lines = [line for line in log_text.splitlines() if f"W-{worker_id}-{model}_" in line]

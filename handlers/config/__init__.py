@@ -57,7 +57,8 @@ def load_config(raw: Mapping[str, Any] | None) -> HandlerConfig:
         message = found[0] if len(found) == 1 else f"{len(found)} problems:" + "".join(f"\n  {line}" for line in found)
         raise ConfigError(message, found) from None
     return HandlerConfig(compile=_compile_spec(parsed), settings=_settings(parsed.pt2_handlers, parsed.pt2.dynamic),
-                         workers=parsed.minWorkers, warnings=pt2_warnings(raw.get("pt2")))
+                         workers=parsed.minWorkers, startup_timeout=parsed.startupTimeout,
+                         warnings=pt2_warnings(raw.get("pt2")))
 
 
 def _compile_spec(parsed: ModelYaml) -> CompileSpec:

@@ -39,7 +39,12 @@ class ModelYaml(Section):
         Field(default_factory=SettingsSection)
     """This package's settings."""
     minWorkers: PositiveInt = 1  # TorchServe's spelling
-    """TorchServe's worker count; with `threads: auto`, also what the cores are divided by while a worker loads."""
+    """TorchServe's worker count. With `threads: auto` a model's workers load in turn, each on every core, then share
+    the cores forward by forward; one that waited half of `startupTimeout` for a sibling's load loads beside it, on
+    the cores divided by `minWorkers`."""
+    startupTimeout: PositiveInt = 120  # TorchServe's default
+    """TorchServe's limit, in seconds, for a worker to load. A worker whose sibling of the same model loads on the
+    same cores waits for it at most half of this, then loads beside it."""
     batchSize: PositiveInt = 1
     """TorchServe's server-side batching: up to this many requests per forward."""
     maxBatchDelay: Annotated[StrictInt, Field(ge=0)] = 100

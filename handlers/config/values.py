@@ -136,6 +136,7 @@ class HandlerConfig:
     compile: CompileSpec = field(default_factory=CompileSpec)
     settings: HandlerSettings = field(default_factory=HandlerSettings)
     workers: int = 1  # TorchServe's minWorkers: how many workers share this host's cores
+    startup_timeout: int = 120  # TorchServe's startupTimeout: seconds a worker has to load
     warnings: tuple[str, ...] = ()
 
     @property
