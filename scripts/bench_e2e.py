@@ -480,7 +480,7 @@ def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl
     started = time.monotonic()
     names = archive_names(args)
     config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
-    server = tsctl.start(config, store, [f"{m}={m}.mar" for m in names], work / "run", args.timeout)
+    server = tsctl.start(config, store, [f"{m}={m}.mar" for m in names], work / "run", args.timeout, every_worker=True)
     log(f"TorchServe READY with {len(names)} models ({', '.join(names)}) in {time.monotonic() - started:.0f}s")
     for name, workers in args.scale:
         started = time.monotonic()

@@ -121,7 +121,7 @@ def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path
     package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
     config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
     started = time.monotonic()
-    server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar"], work / "run", 900)
+    server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar"], work / "run", 900, every_worker=True)
     log(f"TorchServe READY in {time.monotonic() - started:.0f}s")
     try:
         client = Client(server.inference_url, server.key("inference"))

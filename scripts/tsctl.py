@@ -109,9 +109,11 @@ def server_env(run_dir: Path, extra: dict[str, str] | None = None) -> dict[str, 
 
 
 def start(config: Path, model_store: Path, models: list[str], run_dir: Path, timeout: float,
-          extra_env: dict[str, str] | None = None) -> Server:
-    """Start TorchServe in ``run_dir`` with ``models`` ("name=file.mar") and wait until each is READY.
-    ``extra_env`` goes to the server and its workers (e.g. TORCHINDUCTOR_CACHE_DIR)."""
+          extra_env: dict[str, str] | None = None, every_worker: bool = False) -> Server:
+    """Start TorchServe in ``run_dir`` with ``models`` ("name=file.mar") and wait until each is READY: one worker
+    serves; ``every_worker`` waits for each model's ``minWorkers`` (a model's workers load in turn, and a benchmark
+    timed while the next one loads measures its compile). ``extra_env`` goes to the server and its workers (e.g.
+    TORCHINDUCTOR_CACHE_DIR)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tmp").mkdir(exist_ok=True)
     config = with_absolute_paths(config, run_dir)
@@ -129,6 +131,8 @@ def start(config: Path, model_store: Path, models: list[str], run_dir: Path, tim
         wait_for_key_file(server, timeout=60)
         for name in [m.split("=", 1)[0].removesuffix(".mar") for m in models]:
             wait_ready(server, name, timeout)
+            if every_worker:
+                wait_ready(server, name, timeout, count=min_workers(server, name))
     except BaseException:  # a server that will not come up must not keep its ports (and workers) busy
         stop(run_dir)
         raise
@@ -168,6 +172,13 @@ def workers(server: Server, name: str) -> list[dict]:
     if status != 200:
         return []
     return [w for entry in json.loads(body) for w in entry.get("workers", [])]
+
+
+def min_workers(server: Server, name: str) -> int:
+    status, body = server.management("GET", f"/models/{name}", timeout=10)
+    if status != 200:
+        return 1
+    return max((entry.get("minWorkers", 1) for entry in json.loads(body)), default=1)
 
 
 def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> None:
