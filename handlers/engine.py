@@ -126,7 +126,7 @@ class Engine:
             if not turn.alone:
                 logger.warning("load: another worker of %s still loads on these cores after %.0fs (half of "
                                "startupTimeout); loading beside it", self.model_name, turn.waited_s)
-            elif turn.waited_s >= 1:
+            elif turn.waited_s > 0:  # any wait: an operator reading the log sees why this load took longer
                 logger.info("load: waited %.1fs for another worker of %s to load on these cores; this one loads "
                             "from what it kept", turn.waited_s, self.model_name)
             yield
