@@ -167,18 +167,18 @@ def wait_for_key_file(server: Server, timeout: float) -> None:
     raise TimeoutError(f"TorchServe wrote no key file at {server.key_file} in {timeout:.0f}s")
 
 
-def workers(server: Server, name: str) -> list[dict]:
+def _versions(server: Server, name: str) -> list[dict]:
+    """The management API's description of ``name``, one entry per version; none if it does not answer 200."""
     status, body = server.management("GET", f"/models/{name}", timeout=10)
-    if status != 200:
-        return []
-    return [w for entry in json.loads(body) for w in entry.get("workers", [])]
+    return json.loads(body) if status == 200 else []
+
+
+def workers(server: Server, name: str) -> list[dict]:
+    return [w for entry in _versions(server, name) for w in entry.get("workers", [])]
 
 
 def min_workers(server: Server, name: str) -> int:
-    status, body = server.management("GET", f"/models/{name}", timeout=10)
-    if status != 200:
-        return 1
-    return max((entry.get("minWorkers", 1) for entry in json.loads(body)), default=1)
+    return max((entry.get("minWorkers", 1) for entry in _versions(server, name)), default=1)
 
 
 def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> None:
