@@ -21,6 +21,11 @@ each measured its rungs, races and costs while the other compiled on the cores i
 both were done (CPU D, the int8 archive cold: READY after 108 and 110 s); in turn the first serves after 80 s and the
 second, loading from what the first kept (its compile cache and measurements), after 98 s.
 
+A worker that loads while other workers on these cores serve (a scale-up, a restart, another model registered) loads
+on its share of the cores, and holds that share until it is READY: the serving workers' forwards leave it those
+cores. Loading on every core beside a serving worker (CPU D, the int8 archive scaled 1 -> 2 under 4 clients), the
+clients got 31 req/s instead of 181, p99 1.4 s, for the 49 s of the load.
+
 Workers find each other through byte-range locks (``fcntl.lockf``) on one small file per set of cores in the temp
 directory. A lock dies with its process, so a killed worker never keeps cores. POSIX locks belong to a process, so a
 process has one ``CoreShare`` per file (``for_cores``), whatever number of engines it runs.
@@ -46,26 +51,30 @@ _MUTEX = 0  # held while one worker reads the others and takes its threads
 _CONTENDED = 8  # written: when workers last held batches at once (time.monotonic, one clock per machine), and how many
 _CONTENDED_FORMAT = struct.Struct("<dB")
 _FIRST_SLOT = 24
-_SLOT_BYTES = 4  # per slot, at these offsets:
+_SLOT_BYTES = 5  # per slot, at these offsets:
 _OWNED = 0  # locked for the life of the process in the slot
 _BATCH = 1  # locked while it holds a batch
 _FORWARD = 2  # locked while it runs a forward
 _THREADS = 3  # written: the threads of that forward
+_SERVING = 4  # locked for the rest of the process's life once it serves (a model READY)
 _WAIT_SECONDS = 0.0005  # between looks while the cores are taken: a forward takes milliseconds
 REMEMBER_S = 0.1  # how long workers keep their shares after batches last overlapped: a batch cycle, with room
 _LOADS = 4096  # past the slots: one byte per model (its name hashed), locked while a worker of it loads
 _LOAD_KEYS = 4096  # a shared byte between two names only makes them take turns too
 _LOAD_LOOK_SECONDS = 0.25  # between looks while a sibling loads: a load takes seconds
-_LAYOUT = 2  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
+_LAYOUT = 3  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
 
 
 @dataclass(frozen=True)
 class Turn:
-    """A worker's turn to load: how long it waited for its siblings' loads, and whether it had them end (False: it
-    gave up waiting and loads beside one)."""
+    """A worker's turn to load: how long it waited for its siblings' loads, whether it had them end (False: it
+    gave up waiting and loads beside one), and the threads it may load on: every core, or while ``serving`` other
+    workers serve on these cores, its share of them, which their forwards leave it until the load ends."""
 
     waited_s: float
     alone: bool
+    threads: int
+    serving: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,7 @@ class CoreShare:
     def loading(self, model: str, wait_s: float) -> Iterator[Turn]:
         """Held while this process loads ``model``: another worker of it on these cores loads after, or, past
         ``wait_s`` of waiting, beside it. Engines of one process never wait for each other (the locks are the
-        process's)."""
+        process's). The turn says the threads to load on: a share of the cores while other workers serve."""
         offset = _LOADS + int.from_bytes(hashlib.sha256(model.encode()).digest()[:4], "little") % _LOAD_KEYS
         started = time.monotonic()
         held = self._take_load(offset)
@@ -137,10 +146,36 @@ class CoreShare:
             time.sleep(_LOAD_LOOK_SECONDS)
             held = self._take_load(offset)
         try:
-            yield Turn(round(time.monotonic() - started, 1), held)
+            with self._share_while_others_serve() as (threads, serving):
+                yield Turn(round(time.monotonic() - started, 1), held, threads, serving)
         finally:
             if held:
                 self._give_load(offset)
+
+    def serves(self) -> None:
+        """Mark this process as serving (a model of it is READY) for the rest of its life: workers that load later
+        on these cores leave its forwards the cores they do not load on."""
+        if self.slot is not None:
+            with self._lock:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, self._offset(_SERVING))
+
+    @contextmanager
+    def _share_while_others_serve(self) -> Iterator[tuple[int, int]]:
+        """(threads to load on, other workers serving). Beside serving workers: a batch held for the whole load, so
+        each of their forwards takes an equal share and leaves it these cores. Not a forward: one proven at one
+        count only (IPEX) would wait for the cores until the load ends; it runs at its count beside it."""
+        serving = self._serving_others()
+        if not serving:
+            yield self.cores, 0
+            return
+        with self._held(_BATCH):
+            yield max(1, self.cores // (serving + 1)), serving
+
+    def _serving_others(self) -> int:
+        if self.slot is None:
+            return 0
+        return sum(self._is_locked(self._offset(_SERVING, slot)) for slot in range(SLOTS)
+                   if slot != self.slot and self._is_locked(self._offset(_OWNED, slot)))
 
     def _take_load(self, offset: int) -> bool:
         with self._lock:

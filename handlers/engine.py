@@ -84,6 +84,7 @@ class Engine:
                                                                 f"{float32_only}")
         self.dtype = hardware.Choice(self.precisions.value[0], "not loaded yet")  # the precision served
         self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)  # at load
+        self.load_threads = self.threads.value  # fewer while other workers serve on shared cores
         self.cores = hardware.core_share(config.settings.threads, device)  # None: every forward at self.threads
         self._runs_at: tuple[int, ...] | None = None  # the thread counts the served forward was proven at; None: any
         self.shapes: ShapePolicy = config.settings.shapes
@@ -112,7 +113,9 @@ class Engine:
         """Workers of this model on the cores this one shares load one after another (``CoreShare.loading``), each
         on every core: it measures on cores its siblings leave quiet, at the count it runs at alone, and the next
         loads from what the first kept (measured on CPU D, the int8 archive cold with ``minWorkers: 2``: loading
-        beside each other on one core each, both READY after 108-110 s; in turn on every core, after 80 and 98 s)."""
+        beside each other on one core each, both READY after 108-110 s; in turn on every core, after 80 and 98 s).
+        Beside workers that already serve, it loads on its share of the cores and leaves them the rest, so their
+        clients keep being served while it loads (``CoreShare.loading``)."""
         if self.cores is None:
             yield
             return
@@ -129,13 +132,21 @@ class Engine:
             elif turn.waited_s > 0:  # any wait: an operator reading the log sees why this load took longer
                 logger.info("load: waited %.1fs for another worker of %s to load on these cores; this one loads "
                             "from what it kept", turn.waited_s, self.model_name)
+            # Measurements and what it keeps stay under the count it serves at alone (self.threads): a sibling's
+            # are found, and a race ranks its rungs alike on fewer cores.
+            self.load_threads = min(turn.threads, self.threads.value)
+            if turn.serving:
+                logger.info("load: %d other worker(s) serve on these %d cores: this one loads on %d of them and "
+                            "leaves their forwards the rest until READY", turn.serving, self.cores.cores,
+                            self.load_threads)
             yield
+        self.cores.serves()
 
     def _load(self) -> None:
         settings = self.config.settings
         if self.cache is None:
             self.cache = compile_cache.prepare(settings.compile_cache)
-        torch.set_num_threads(self.threads.value)
+        torch.set_num_threads(self.load_threads)
         task_class = check_task(settings.task)
         model_dir = (self.model_root / settings.model_dir).resolve()
         if not model_dir.is_relative_to(self.model_root.resolve()):  # "../x" or a link out of the archive
@@ -424,7 +435,8 @@ class Engine:
         }
 
     def _describe_threads(self) -> dict[str, Any]:
-        threads: dict[str, Any] = {"intra_op": self.threads.value, "reason": self.threads.reason}
+        threads: dict[str, Any] = {"intra_op": self.threads.value, "reason": self.threads.reason,
+                                   "at_load": self.load_threads}
         if self.cores is not None:
             runs_at = "/".join(map(str, self._runs_at or ()))
             proven = f", of the counts its compiled forward was proven at ({runs_at})" if self._runs_at else ""

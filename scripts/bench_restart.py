@@ -5,7 +5,10 @@ Three measurements, one run, one fresh compile cache directory:
 
 1. cold: TorchServe starts with an empty cache; time until the model's worker is READY.
 2. scale-up on the same host: a second worker is added (management API, synchronous); time until it is
-   READY. It finds the first worker's graphs and kernels in the shared cache directory.
+   READY. It finds the first worker's graphs and kernels in the shared cache directory. With ``--clients N``, N
+   clients keep sending texts of mixed lengths (8-96 words) to the first worker, and what they got before the
+   scale-up and while the second worker loaded is recorded (req/s, p50 / p99): a worker that loads beside a
+   serving one loads on its share of the cores (``CoreShare.loading``).
 3. a new host: TorchServe is stopped, the cache directory is copied elsewhere (as a volume mounted into a new
    pod would be) and a new TorchServe starts from the copy; time until READY.
 4. the same from a copy without what the loads measured (``handlers.memory``: the races, int8's choice of layers),
@@ -22,10 +25,13 @@ Each worker's own load time (from the handler's READY log line) is recorded besi
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -48,6 +54,94 @@ def worker_load_seconds(run_dir: Path) -> list[float]:
     return [float(m) for m in re.findall(rf"model {MODEL} READY on rung \S+ after ([0-9.]+)s", text)]
 
 
+class LiveClients:
+    """``count`` clients that send texts of mixed lengths to the model, one after another each, until ``stop``;
+    what they got in any window of time (``served``)."""
+
+    def __init__(self, server: tsctl.Server, count: int, texts: list[str]):
+        from bench_e2e import Client
+
+        self._clients = [Client(server.inference_url, server.key("inference") or "") for _ in range(count)]
+        self._bodies = [json.dumps({"text": text}).encode() for text in texts]
+        self._answers: list[tuple[float, float, bool]] = []  # (ended, ms, a 200 with an embedding)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._send, args=(i,), daemon=True) for i in range(count)]
+
+    def __enter__(self) -> LiveClients:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+        for client in self._clients:
+            client.close()
+
+    def _send(self, index: int) -> None:
+        client, step = self._clients[index], len(self._clients)
+        while not self._stop.is_set():
+            body = self._bodies[index % len(self._bodies)]
+            started = time.monotonic()
+            try:
+                status, payload = client.post(f"/predictions/{MODEL}", body)
+                good = status == 200 and b'"embedding"' in payload
+            except OSError:
+                good = False
+            ended = time.monotonic()
+            self._answers.append((ended, (ended - started) * 1000, good))
+            index += step
+
+    def served(self, start: float, end: float) -> dict[str, float]:
+        """req/s, p50 / p99 ms and failed answers between two ``time.monotonic`` readings."""
+        window = [(ms, good) for ended, ms, good in list(self._answers) if start <= ended < end]
+        latencies = [ms for ms, good in window if good]
+        return {"req_s": round(len(latencies) / max(end - start, 1e-9), 1),
+                "p50_ms": round(bc.percentile(latencies, 50), 1) if latencies else None,
+                "p99_ms": round(bc.percentile(latencies, 99), 1) if latencies else None,
+                "failed": sum(not good for _, good in window)}
+
+
+def mixed_texts(count: int) -> list[str]:
+    """Texts of 8-96 words (bench_e2e's mixed workload), from the model's own single-token words."""
+    import transformers
+    from bench_e2e import make_texts, single_token_words
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(package.default_model_dir()), local_files_only=True)
+    return make_texts(single_token_words(tokenizer), "mixed", count, random.Random(0))
+
+
+def scale_up(server: tsctl.Server, args: argparse.Namespace, run_dir: Path) -> dict:
+    """Case 2: a second worker, timed to READY; under ``args.clients`` clients when asked."""
+    def add_worker() -> float:
+        started = time.monotonic()
+        status, body = server.management("PUT", f"/models/{MODEL}?min_worker=2&max_worker=2&synchronous=true",
+                                         timeout=900)
+        if status != 200:
+            raise RuntimeError(f"scale-up failed: {status} {body[:200]!r}")
+        tsctl.wait_ready(server, MODEL, timeout=900, count=2)
+        return time.monotonic() - started
+
+    row: dict = {"case": "second worker, same host"}
+    if not args.clients:
+        row["ready_seconds"] = round(add_worker(), 1)
+    else:
+        row["case"] += f", {args.clients} clients sending"
+        with LiveClients(server, args.clients, mixed_texts(2000)) as clients:
+            started = time.monotonic()
+            bc.log(f"    {args.clients} clients for {args.settle:.0f}s before the scale-up")
+            time.sleep(args.settle)
+            scaled = time.monotonic()
+            row["ready_seconds"] = round(add_worker(), 1)
+            before, loading = clients.served(started + 5, scaled), clients.served(scaled, time.monotonic())
+        row.update({f"clients_before_{key}": value for key, value in before.items()})
+        row.update({f"clients_loading_{key}": value for key, value in loading.items()})
+        bc.log(f"    clients before: {before}; while the second worker loaded: {loading}")
+    row["worker_load_seconds"] = worker_load_seconds(run_dir)[-1]
+    return row
+
+
 def start_timed(config: Path, store: Path, run_dir: Path, cache: Path) -> tuple[tsctl.Server, float]:
     env_cache = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
     started = time.monotonic()
@@ -67,14 +161,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                  "worker_load_seconds": worker_load_seconds(tmp / "run-a")[-1]})
     try:
         bc.log("2/4 scale-up: a second worker on the same host, shared cache")
-        started = time.monotonic()
-        status, body = server.management("PUT", f"/models/{MODEL}?min_worker=2&max_worker=2&synchronous=true",
-                                         timeout=900)
-        if status != 200:
-            raise RuntimeError(f"scale-up failed: {status} {body[:200]!r}")
-        tsctl.wait_ready(server, MODEL, timeout=900, count=2)
-        rows.append({"case": "second worker, same host", "ready_seconds": round(time.monotonic() - started, 1),
-                     "worker_load_seconds": worker_load_seconds(tmp / "run-a")[-1]})
+        rows.append(scale_up(server, args, tmp / "run-a"))
     finally:
         tsctl.stop(tmp / "run-a")
     volume = tmp / "cache-volume-copy"
@@ -128,6 +215,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=bc.DEFAULT_OUT)
     parser.add_argument("--workers", type=int, default=1,
                         help="above 1: also a cold start with this minWorkers (first and last worker READY)")
+    parser.add_argument("--clients", type=int, default=0,
+                        help="clients sending to the first worker through the scale-up (case 2); 0: none")
+    parser.add_argument("--settle", type=float, default=20.0,
+                        help="seconds the clients send before the scale-up (the first 5 are left out)")
     args = parser.parse_args()
     header = bc.run_header(args)
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
@@ -146,6 +237,13 @@ def main() -> None:
     print(bc.markdown_table(["case", "READY after (s)", "worker load (s)", "vs cold"],
                             [[r["case"], r["ready_seconds"], r["worker_load_seconds"], r["vs_cold"]]
                              for r in rows]))
+    if args.clients:
+        row = rows[1]
+        print(bc.markdown_table(
+            ["clients", "req/s", "p50 / p99 ms", "failed"],
+            [[when, row[f"clients_{key}_req_s"], f"{row[f'clients_{key}_p50_ms']} / {row[f'clients_{key}_p99_ms']}",
+              row[f"clients_{key}_failed"]] for when, key in (("before the scale-up", "before"),
+                                                              ("while the second worker loaded", "loading"))]))
 
 
 if __name__ == "__main__":

@@ -35,8 +35,11 @@ SIBLING = textwrap.dedent("""
             print("granted", grant.threads, flush=True)
             continue
         elif command == "load":  # a model's load, held until "loaded"
-            print("turn", loads.enter_context(share.loading(args[0], 0)).alone, flush=True)
+            turn = loads.enter_context(share.loading(args[0], 0))
+            print("turn", turn.alone, "threads", turn.threads, flush=True)
             continue
+        elif command == "serves":
+            share.serves()
         elif command == "loaded":
             loads.close()
         elif command == "end":  # the forwards, not the batch
@@ -206,9 +209,9 @@ def test_workers_of_one_model_load_in_turn(tmp_path, siblings):
     """Another worker loading this model: this one waits for its load to end, or gives up waiting at the bound and
     loads beside it. Another model's load, or another engine of this process, never holds it up."""
     mine, other = share(tmp_path), siblings()
-    assert other.send("load minilm") == "turn True"
+    assert other.send("load minilm") == "turn True threads 2"
     with mine.loading("minilm-int8", 60) as turn:
-        assert turn == core_share.Turn(0.0, True)
+        assert turn == core_share.Turn(0.0, True, 2)
     with mine.loading("minilm", 0.5) as turn:
         assert not turn.alone and 0.5 <= turn.waited_s < 2, turn
     releases = other.later(1.0, "loaded")
@@ -217,26 +220,63 @@ def test_workers_of_one_model_load_in_turn(tmp_path, siblings):
         releases.join()
         assert other.read() == "ok"
         with mine.loading("minilm", 0) as nested:  # a second engine of this process
-            assert nested == core_share.Turn(0.0, True)
-        assert other.send("load minilm") == "turn False"  # still this process's turn after the nested load
+            assert nested == core_share.Turn(0.0, True, 2)
+        assert other.send("load minilm") == "turn False threads 2"  # still this process's turn after the nested load
         assert other.send("loaded") == "ok"
-    assert other.send("load minilm") == "turn True"
+    assert other.send("load minilm") == "turn True threads 2"
     other.close()  # a killed worker keeps no turn
     with mine.loading("minilm", 60) as turn:
-        assert turn == core_share.Turn(0.0, True)
+        assert turn == core_share.Turn(0.0, True, 2)
+
+
+def test_a_worker_loading_beside_serving_workers_leaves_their_forwards_the_rest_of_the_cores(tmp_path, siblings):
+    """A scale-up or a restart beside a worker that serves: the load runs on its share, and the serving worker's
+    forwards take the other cores until the load ends. A sibling that only waits to load serves nothing."""
+    mine, other = share(tmp_path), siblings()
+    with mine.loading("minilm", 0) as turn:  # the other is there but serves nothing yet
+        assert turn == core_share.Turn(0.0, True, 2)
+        assert other.send("batch") == "ok" and other.send("forward") == "granted 2"  # the load holds no share
+        assert other.send("release") == "ok"
+    assert other.send("serves") == "ok"
+    with mine.loading("minilm", 0) as turn:
+        assert turn == core_share.Turn(0.0, True, 1, serving=1)
+        assert other.send("batch") == "ok" and other.send("forward") == "granted 1"
+        assert other.send("release") == "ok"
+        assert other.send("forward 2") == "granted 2"  # proven at 2 only: runs at it, never waits for the load
+        assert other.send("end") == "ok"
+    time.sleep(mine.remember_s)
+    assert other.send("batch") == "ok" and other.send("forward") == "granted 2"  # READY: the cores are the other's
+    assert other.send("release") == "ok"
+    mine.serves()
+    assert other.send("load minilm") == "turn True threads 1"  # and this one serves now
+    assert other.send("loaded") == "ok"
 
 
 def test_an_engine_loads_after_another_worker_of_its_model(tiny_bert_dir, siblings):
     engine = make_engine(tiny_bert_dir, name="turns")
     assert engine.cores is not None
     other = siblings(engine.cores.cores, engine.cores.path)
-    assert other.send("load turns") == "turn True"
+    assert other.send("load turns").startswith("turn True threads ")  # fewer if an engine of this process served
     releases = other.later(1.0, "loaded")
     engine.load()
     releases.join()
     assert other.read() == "ok"
     waited = engine.describe()["load_waited_s"]
     assert 0.7 <= waited <= engine.load_seconds, (waited, engine.load_seconds)
+
+
+def test_an_engine_loads_on_its_share_beside_a_serving_worker_and_then_serves(tiny_bert_dir, siblings):
+    engine = make_engine(tiny_bert_dir, name="beside")
+    cores = engine.cores
+    assert cores is not None and cores.joined
+    other = siblings(cores.cores, cores.path)
+    assert other.send("serves") == "ok"
+    engine.load()
+    threads = engine.describe()["optimization"]["threads"]
+    assert threads["intra_op"] == cores.cores and threads["at_load"] == max(1, cores.cores // 2), threads
+    assert engine.predict([{"text": "READY: the load's share is given back"}])[0]["embedding"]
+    assert engine.last_batch.threads == cores.cores
+    assert other.send("load beside") == f"turn True threads {max(1, cores.cores // 2)}"  # this one serves now
 
 
 def test_one_share_per_process_and_file(tmp_path):

@@ -355,6 +355,10 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
     waited = [w for w in new if re.search(rf"W-{w}-minilm_.* load: waited [\d.]+s for another worker of minilm",
                                           log_text)]
     assert len(waited) == 1, [line for line in log_text.splitlines() if " load: " in line]
+    # ... each beside the worker(s) already serving the trickle: on its share of the cores, leaving them the rest
+    beside = [w for w in new if re.search(rf"W-{w}-minilm_.* load: \d+ other worker\(s\) serve on these \d+ cores: "
+                                          r"this one loads on \d+ of them", log_text)]
+    assert len(beside) == 2, [line for line in log_text.splitlines() if " load: " in line]
 
 
 def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str], model: str = "minilm") -> None:
