@@ -21,10 +21,12 @@ each measured its rungs, races and costs while the other compiled on the cores i
 both were done (CPU D, the int8 archive cold: READY after 108 and 110 s); in turn the first serves after 80 s and the
 second, loading from what the first kept (its compile cache and measurements), after 98 s.
 
-A worker that loads while other workers on these cores serve (a scale-up, a restart, another model registered) loads
-on its share of the cores, and holds that share until it is READY: the serving workers' forwards leave it those
-cores. Loading on every core beside a serving worker (CPU D, the int8 archive scaled 1 -> 2 under 4 clients), the
-clients got 31 req/s instead of 181, p99 1.4 s, for the 49 s of the load.
+A worker that loads while other workers on these cores serve (a scale-up, a restart, another model registered) holds
+a batch until it is READY, so the serving workers' forwards take their share of the cores, and where they are busy
+it loads on its share of them. Loading on every core beside a busy worker (CPU D, the int8 archive scaled 1 -> 2
+under 4 clients), the clients got 27 req/s instead of 174, p99 0.9 s, for the 47 s of the load; on its share, 101
+req/s, p99 0.13 s. Beside idle workers it loads on every core (a scale-up with no clients: READY after 21 s, 38 s on
+its share).
 
 Workers find each other through byte-range locks (``fcntl.lockf``) on one small file per set of cores in the temp
 directory. A lock dies with its process, so a killed worker never keeps cores. POSIX locks belong to a process, so a
@@ -62,6 +64,8 @@ REMEMBER_S = 0.1  # how long workers keep their shares after batches last overla
 _LOADS = 4096  # past the slots: one byte per model (its name hashed), locked while a worker of it loads
 _LOAD_KEYS = 4096  # a shared byte between two names only makes them take turns too
 _LOAD_LOOK_SECONDS = 0.25  # between looks while a sibling loads: a load takes seconds
+_BUSY_LOOK_S = 1.0  # how long a worker that loads beside serving ones looks for their batches: a second of tens
+_BUSY_LOOK_EVERY_S = 0.005
 _LAYOUT = 3  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
 
 
@@ -145,9 +149,10 @@ class CoreShare:
         while not held and time.monotonic() - started < wait_s:
             time.sleep(_LOAD_LOOK_SECONDS)
             held = self._take_load(offset)
+        waited_s = round(time.monotonic() - started, 1)
         try:
             with self._share_while_others_serve() as (threads, serving):
-                yield Turn(round(time.monotonic() - started, 1), held, threads, serving)
+                yield Turn(waited_s, held, threads, serving)
         finally:
             if held:
                 self._give_load(offset)
@@ -162,14 +167,31 @@ class CoreShare:
     @contextmanager
     def _share_while_others_serve(self) -> Iterator[tuple[int, int]]:
         """(threads to load on, other workers serving). Beside serving workers: a batch held for the whole load, so
-        each of their forwards takes an equal share and leaves it these cores. Not a forward: one proven at one
-        count only (IPEX) would wait for the cores until the load ends; it runs at its count beside it."""
+        each of their forwards takes an equal share and leaves it these cores, and the load runs on its share where
+        they had batches within ``_BUSY_LOOK_S`` (on every core beside idle ones: a scale-up ahead of traffic loads
+        as fast as alone). Not a forward: one proven at one count only (IPEX) would wait for the cores until the
+        load ends; it runs at its count beside it."""
         serving = self._serving_others()
         if not serving:
             yield self.cores, 0
             return
         with self._held(_BATCH):
-            yield max(1, self.cores // (serving + 1)), serving
+            busy = self._others_hold_batches(_BUSY_LOOK_S)
+            yield (max(1, self.cores // (serving + 1)) if busy else self.cores), serving
+
+    def _others_hold_batches(self, seconds: float) -> bool:
+        """Whether another worker holds a batch within ``seconds``: seen holding one, or its forward found this
+        one's batch and wrote the record of overlapping batches."""
+        started = time.monotonic()
+        while True:
+            with self._mutex():
+                holding, _ = self._others()
+                when, _ = _CONTENDED_FORMAT.unpack(os.pread(self._fd, _CONTENDED_FORMAT.size, _CONTENDED))
+            if holding or when >= started:
+                return True
+            if time.monotonic() - started >= seconds:
+                return False
+            time.sleep(_BUSY_LOOK_EVERY_S)
 
     def _serving_others(self) -> int:
         if self.slot is None:

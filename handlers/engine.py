@@ -114,8 +114,8 @@ class Engine:
         on every core: it measures on cores its siblings leave quiet, at the count it runs at alone, and the next
         loads from what the first kept (measured on CPU D, the int8 archive cold with ``minWorkers: 2``: loading
         beside each other on one core each, both READY after 108-110 s; in turn on every core, after 80 and 98 s).
-        Beside workers that already serve, it loads on its share of the cores and leaves them the rest, so their
-        clients keep being served while it loads (``CoreShare.loading``)."""
+        Beside workers that already serve clients, it loads on its share of the cores and leaves them the rest, so
+        their clients keep being served while it loads (``CoreShare.loading``)."""
         if self.cores is None:
             yield
             return
@@ -135,10 +135,14 @@ class Engine:
             # Measurements and what it keeps stay under the count it serves at alone (self.threads): a sibling's
             # are found, and a race ranks its rungs alike on fewer cores.
             self.load_threads = min(turn.threads, self.threads.value)
-            if turn.serving:
+            if turn.serving and self.load_threads < self.cores.cores:
                 logger.info("load: %d other worker(s) serve on these %d cores: this one loads on %d of them and "
                             "leaves their forwards the rest until READY", turn.serving, self.cores.cores,
                             self.load_threads)
+            elif turn.serving:
+                logger.info("load: %d other worker(s) on these %d cores are READY but had no batch in the last "
+                            "second: this one loads on every core, and their forwards take an equal share until "
+                            "READY", turn.serving, self.cores.cores)
             yield
         self.cores.serves()
 

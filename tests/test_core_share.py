@@ -230,17 +230,25 @@ def test_workers_of_one_model_load_in_turn(tmp_path, siblings):
 
 
 def test_a_worker_loading_beside_serving_workers_leaves_their_forwards_the_rest_of_the_cores(tmp_path, siblings):
-    """A scale-up or a restart beside a worker that serves: the load runs on its share, and the serving worker's
-    forwards take the other cores until the load ends. A sibling that only waits to load serves nothing."""
+    """A scale-up or a restart beside a worker that serves: the load holds a batch, so the serving worker's forwards
+    take their share, and loads on its own share where that worker is busy (on every core beside an idle one). A
+    sibling that only waits to load serves nothing."""
     mine, other = share(tmp_path), siblings()
     with mine.loading("minilm", 0) as turn:  # the other is there but serves nothing yet
         assert turn == core_share.Turn(0.0, True, 2)
-        assert other.send("batch") == "ok" and other.send("forward") == "granted 2"  # the load holds no share
+        assert other.send("batch") == "ok" and other.send("forward") == "granted 2"  # the load holds no batch
         assert other.send("release") == "ok"
     assert other.send("serves") == "ok"
-    with mine.loading("minilm", 0) as turn:
+    started = time.monotonic()
+    with mine.loading("minilm", 0) as turn:  # beside an idle one: every core, after looking for its batches
+        assert turn == core_share.Turn(0.0, True, 2, serving=1)
+        assert 0.9 <= time.monotonic() - started < 5
+        assert other.send("batch") == "ok" and other.send("forward") == "granted 1"  # its share, beside the load
+        assert other.send("release") == "ok"
+    assert other.send("batch") == "ok"
+    with mine.loading("minilm", 0) as turn:  # beside a busy one: a share
         assert turn == core_share.Turn(0.0, True, 1, serving=1)
-        assert other.send("batch") == "ok" and other.send("forward") == "granted 1"
+        assert other.send("forward") == "granted 1"
         assert other.send("release") == "ok"
         assert other.send("forward 2") == "granted 2"  # proven at 2 only: runs at it, never waits for the load
         assert other.send("end") == "ok"
@@ -248,7 +256,7 @@ def test_a_worker_loading_beside_serving_workers_leaves_their_forwards_the_rest_
     assert other.send("batch") == "ok" and other.send("forward") == "granted 2"  # READY: the cores are the other's
     assert other.send("release") == "ok"
     mine.serves()
-    assert other.send("load minilm") == "turn True threads 1"  # and this one serves now
+    assert other.send("load minilm") == "turn True threads 2"  # this one serves now, idle
     assert other.send("loaded") == "ok"
 
 
@@ -270,13 +278,16 @@ def test_an_engine_loads_on_its_share_beside_a_serving_worker_and_then_serves(ti
     cores = engine.cores
     assert cores is not None and cores.joined
     other = siblings(cores.cores, cores.path)
-    assert other.send("serves") == "ok"
+    assert other.send("serves") == "ok" and other.send("batch") == "ok"  # a worker busy serving
     engine.load()
     threads = engine.describe()["optimization"]["threads"]
     assert threads["intra_op"] == cores.cores and threads["at_load"] == max(1, cores.cores // 2), threads
+    assert other.send("release") == "ok"
+    time.sleep(cores.remember_s)
     assert engine.predict([{"text": "READY: the load's share is given back"}])[0]["embedding"]
     assert engine.last_batch.threads == cores.cores
-    assert other.send("load beside") == f"turn True threads {max(1, cores.cores // 2)}"  # this one serves now
+    assert other.send("batch") == "ok"  # and this process serves now
+    assert other.send("load beside") == f"turn True threads {cores.cores}"  # ... with no batch of its own
 
 
 def test_one_share_per_process_and_file(tmp_path):
