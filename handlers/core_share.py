@@ -64,7 +64,8 @@ REMEMBER_S = 0.1  # how long workers keep their shares after batches last overla
 _LOADS = 4096  # past the slots: one byte per model (its name hashed), locked while a worker of it loads
 _LOAD_KEYS = 4096  # a shared byte between two names only makes them take turns too
 _LOAD_LOOK_SECONDS = 0.25  # between looks while a sibling loads: a load takes seconds
-_BUSY_LOOK_S = 1.0  # how long a worker that loads beside serving ones looks for their batches: a second of tens
+_BUSY_LOOK_S = 0.25  # how long a worker that loads beside serving ones looks for their batches (a busy one has
+# one every few ms; a quarter second of a load of tens, paid beside idle ones only)
 _BUSY_LOOK_EVERY_S = 0.005
 _LAYOUT = 3  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
 

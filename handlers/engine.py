@@ -140,9 +140,9 @@ class Engine:
                             "leaves their forwards the rest until READY", turn.serving, self.cores.cores,
                             self.load_threads)
             elif turn.serving:
-                logger.info("load: %d other worker(s) on these %d cores are READY but had no batch in the last "
-                            "second: this one loads on every core, and their forwards take an equal share until "
-                            "READY", turn.serving, self.cores.cores)
+                logger.info("load: %d other worker(s) on these %d cores are READY but idle: this one loads on "
+                            "every core, and their forwards take an equal share until READY", turn.serving,
+                            self.cores.cores)
             yield
         self.cores.serves()
 
