@@ -135,15 +135,17 @@ class Engine:
             # Measurements and what it keeps stay under the count it serves at alone (self.threads): a sibling's
             # are found, and a race ranks its rungs alike on fewer cores.
             self.load_threads = min(turn.threads, self.threads.value)
-            if turn.serving and self.load_threads < self.cores.cores:
-                logger.info("load: %d other worker(s) serve on these %d cores: this one loads on %d of them and "
-                            "leaves their forwards the rest until READY", turn.serving, self.cores.cores,
-                            self.load_threads)
+            shared = turn.serving and self.load_threads < self.cores.cores
+            if shared:
+                logger.info("load: %d other worker(s) serve on these %d cores: this one loads on %d of them (and "
+                            "compiles kernels in as many processes) and leaves their forwards the rest until READY",
+                            turn.serving, self.cores.cores, self.load_threads)
             elif turn.serving:
                 logger.info("load: %d other worker(s) on these %d cores are READY but idle: this one loads on "
                             "every core, and their forwards take an equal share until READY", turn.serving,
                             self.cores.cores)
-            yield
+            with _compile_processes(self.load_threads) if shared else nullcontext():
+                yield
         self.cores.serves()
 
     def _load(self) -> None:
@@ -449,6 +451,16 @@ class Engine:
                 f"while other workers hold batches or held them at once in the last {self.cores.remember_s:g}s"
                 + proven)
         return threads
+
+
+def _compile_processes(count: int) -> Any:
+    """Inductor compiles kernels in a pool of processes, one per core (``compile_threads``): on a share of the cores
+    beside busy workers, in ``count`` (1: in this process). Measured on CPU D, a model compiled cold beside a busy
+    int8 worker (4 clients): they got 97 req/s, p99 117-141 ms, against 84-86 req/s, p99 167-169 with two processes;
+    the load took 3 s longer. Not part of the compile cache's key."""
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(compile_threads=count)
 
 
 def _picked_by_auto(precisions: Sequence[DType], configured: Sequence[DType]) -> tuple[DType, ...]:

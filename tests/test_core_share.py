@@ -279,7 +279,10 @@ def test_an_engine_loads_on_its_share_beside_a_serving_worker_and_then_serves(ti
     assert cores is not None and cores.joined
     other = siblings(cores.cores, cores.path)
     assert other.send("serves") == "ok" and other.send("batch") == "ok"  # a worker busy serving
+    from torch._inductor import config as inductor_config
+    compile_processes = inductor_config.compile_threads
     engine.load()
+    assert inductor_config.compile_threads == compile_processes  # in as many processes as threads, while it loaded
     threads = engine.describe()["optimization"]["threads"]
     assert threads["intra_op"] == cores.cores and threads["at_load"] == max(1, cores.cores // 2), threads
     assert other.send("release") == "ok"
