@@ -73,8 +73,8 @@ _LAYOUT = 3  # in the file's name: a worker of an earlier release, on the old la
 @dataclass(frozen=True)
 class Turn:
     """A worker's turn to load: how long it waited for its siblings' loads, whether it had them end (False: it
-    gave up waiting and loads beside one), and the threads it may load on: every core, or while ``serving`` other
-    workers serve on these cores, its share of them, which their forwards leave it until the load ends."""
+    gave up waiting and loads beside one), how many other workers on these cores serve (READY), and the threads it
+    may load on: every core, or its share of them where those had batches just now."""
 
     waited_s: float
     alone: bool
@@ -143,7 +143,7 @@ class CoreShare:
     def loading(self, model: str, wait_s: float) -> Iterator[Turn]:
         """Held while this process loads ``model``: another worker of it on these cores loads after, or, past
         ``wait_s`` of waiting, beside it. Engines of one process never wait for each other (the locks are the
-        process's). The turn says the threads to load on: a share of the cores while other workers serve."""
+        process's). The turn says the threads to load on: a share of the cores beside busy serving workers."""
         offset = _LOADS + int.from_bytes(hashlib.sha256(model.encode()).digest()[:4], "little") % _LOAD_KEYS
         started = time.monotonic()
         held = self._take_load(offset)
