@@ -16,10 +16,12 @@ asks here how many threads it may run:
   made the sibling's next forward wait for it (measured on CPU D, two int8 workers at 16 clients: 156 req/s
   forward by forward, 170 with one thread each). Requests one at a time never overlap, so they still get every core.
 
-Workers of one model on these cores also take turns loading it (``loading``): started together (``minWorkers: 2``),
-each measured its rungs, races and costs while the other compiled on the cores it needed, and neither served until
-both were done (CPU D, the int8 archive cold: READY after 108 and 110 s); in turn the first serves after 80 s and the
-second, loading from what the first kept (its compile cache and measurements), after 98 s.
+Workers on these cores also take turns loading, whatever model they load (``loading``): started together (a
+model's ``minWorkers: 2``, or several models at server start), each measured its rungs, races and costs while the
+others compiled on the cores it needed, and none served until all were done. CPU D, cold: the int8 archive with
+``minWorkers: 2``, READY after 108 and 110 s loading together, after 80 and 98 s in turn (the second loads from what
+the first kept: its compile cache and measurements); the default and the int8 archive started together, READY after
+104 and 159 s, against 32 and 82 s (after 40 and 128 s of wall time) in turn.
 
 A worker that loads while other workers on these cores serve (a scale-up, a restart, another model registered) holds
 a batch until it is READY, so the serving workers' forwards take their share of the cores, and where they are busy
@@ -61,25 +63,28 @@ _THREADS = 3  # written: the threads of that forward
 _SERVING = 4  # locked for the rest of the process's life once it serves (a model READY)
 _WAIT_SECONDS = 0.0005  # between looks while the cores are taken: a forward takes milliseconds
 REMEMBER_S = 0.1  # how long workers keep their shares after batches last overlapped: a batch cycle, with room
-_LOADS = 4096  # past the slots: one byte per model (its name hashed), locked while a worker of it loads
-_LOAD_KEYS = 4096  # a shared byte between two names only makes them take turns too
+_LOAD = 4096  # past the slots: locked while a worker loads a model
+_LOADER = _LOAD + 1  # written by the worker holding the load: the model it loads (for the log of one that waits)
+_LOADER_BYTES = 128
 _LOAD_LOOK_SECONDS = 0.25  # between looks while a sibling loads: a load takes seconds
 _BUSY_LOOK_S = 0.25  # how long a worker that loads beside serving ones looks for their batches (a busy one has
 # one every few ms; a quarter second of a load of tens, paid beside idle ones only)
 _BUSY_LOOK_EVERY_S = 0.005
-_LAYOUT = 3  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
+_LAYOUT = 4  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
 
 
 @dataclass(frozen=True)
 class Turn:
-    """A worker's turn to load: how long it waited for its siblings' loads, whether it had them end (False: it
-    gave up waiting and loads beside one), how many other workers on these cores serve (READY), and the threads it
-    may load on: every core, or its share of them where those had batches just now."""
+    """A worker's turn to load: how long it waited for other workers' loads on these cores, whether it had them end
+    (False: it gave up waiting and loads beside one), how many other workers on these cores serve (READY), the
+    threads it may load on (every core, or its share of them where those had batches just now), and the models whose
+    loads it waited for."""
 
     waited_s: float
     alone: bool
     threads: int
     serving: int = 0
+    waited_for: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ class CoreShare:
         self.slot = self._claim_slot()
         self._lock = threading.Lock()
         self._depth = {_BATCH: 0, _FORWARD: 0}  # nested holds of this slot's bytes, within this process
-        self._loads: dict[int, int] = {}  # load bytes this process holds, and how many of its engines hold each
+        self._loads = 0  # engines of this process that hold the load turn
 
     @property
     def joined(self) -> bool:
@@ -141,22 +146,26 @@ class CoreShare:
 
     @contextmanager
     def loading(self, model: str, wait_s: float) -> Iterator[Turn]:
-        """Held while this process loads ``model``: another worker of it on these cores loads after, or, past
-        ``wait_s`` of waiting, beside it. Engines of one process never wait for each other (the locks are the
-        process's). The turn says the threads to load on: a share of the cores beside busy serving workers."""
-        offset = _LOADS + int.from_bytes(hashlib.sha256(model.encode()).digest()[:4], "little") % _LOAD_KEYS
+        """Held while this process loads ``model``: another worker that loads on these cores, of any model, loads
+        after, or, past ``wait_s`` of waiting, beside it. Engines of one process never wait for each other (the locks
+        are the process's). The turn says the threads to load on: a share of the cores beside busy serving
+        workers."""
         started = time.monotonic()
-        held = self._take_load(offset)
+        waited_for: list[str] = []
+        held = self._take_load(model)
         while not held and time.monotonic() - started < wait_s:
+            loader = self._loader()
+            if loader and loader not in waited_for:
+                waited_for.append(loader)
             time.sleep(_LOAD_LOOK_SECONDS)
-            held = self._take_load(offset)
+            held = self._take_load(model)
         waited_s = round(time.monotonic() - started, 1)
         try:
             with self._share_while_others_serve() as (threads, serving):
-                yield Turn(waited_s, held, threads, serving)
+                yield Turn(waited_s, held, threads, serving, tuple(waited_for))
         finally:
             if held:
-                self._give_load(offset)
+                self._give_load()
 
     def serves(self) -> None:
         """Mark this process as serving (a model of it is READY) for the rest of its life: workers that load later
@@ -200,19 +209,24 @@ class CoreShare:
         return sum(self._is_locked(self._offset(_SERVING, slot)) for slot in range(SLOTS)
                    if slot != self.slot and self._is_locked(self._offset(_OWNED, slot)))
 
-    def _take_load(self, offset: int) -> bool:
+    def _take_load(self, model: str) -> bool:
         with self._lock:
-            if self._loads.get(offset) or self._try_lock(offset):
-                self._loads[offset] = self._loads.get(offset, 0) + 1
+            if self._loads or self._try_lock(_LOAD):
+                self._loads += 1
+                if self._loads == 1:
+                    os.pwrite(self._fd, model.encode()[:_LOADER_BYTES].ljust(_LOADER_BYTES, b"\0"), _LOADER)
                 return True
             return False
 
-    def _give_load(self, offset: int) -> None:
+    def _give_load(self) -> None:
         with self._lock:
-            self._loads[offset] -= 1
-            if self._loads[offset] == 0:
-                del self._loads[offset]
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
+            self._loads -= 1
+            if self._loads == 0:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _LOAD)
+
+    def _loader(self) -> str:
+        """The model the worker holding the load turn loads (as it wrote it; empty if none is written)."""
+        return os.pread(self._fd, _LOADER_BYTES, _LOADER).rstrip(b"\0").decode(errors="replace")
 
     def _sharing(self, now_holding: int) -> int:
         """Workers to share the cores among: those holding a batch now (this one too), or as many as held batches at

@@ -69,7 +69,8 @@ class Engine:
         self.state = State.LOADING
         self.failure: str | None = None
         self.load_seconds: float | None = None
-        self.load_waited_s: float = 0.0  # of load_seconds: waiting for another worker of this model to load
+        self.load_waited_s: float = 0.0  # of load_seconds: waiting for other workers on these cores to load
+        self.load_waited_for: tuple[str, ...] = ()  # the models those workers loaded
         self.attempts: list[Attempt] = []
         self.int8_calibration: str | None = None  # int8 was tried: what it was calibrated on and judged on
         self.cache_use: dict[str, dict[str, int]] | None = None  # what the compile caches served at load
@@ -110,28 +111,32 @@ class Engine:
 
     @contextmanager
     def _turn_to_load(self) -> Iterator[None]:
-        """Workers of this model on the cores this one shares load one after another (``CoreShare.loading``), each
-        on every core: it measures on cores its siblings leave quiet, at the count it runs at alone, and the next
-        loads from what the first kept (measured on CPU D, the int8 archive cold with ``minWorkers: 2``: loading
-        beside each other on one core each, both READY after 108-110 s; in turn on every core, after 80 and 98 s).
+        """Workers on the cores this one shares load one after another, whatever model they load
+        (``CoreShare.loading``), each on every core: it measures on cores the others leave quiet, at the count it runs
+        at alone, and the next worker of a model loads from what the first kept. Measured on CPU D, cold: the int8
+        archive with ``minWorkers: 2``, both READY after 108-110 s loading beside each other, after 80 and 98 s in
+        turn; the default and the int8 archive started together, after 104 and 159 s, in turn after 32 and 82 s.
         Beside workers that already serve clients, it loads on its share of the cores and leaves them the rest, so
-        their clients keep being served while it loads (``CoreShare.loading``)."""
+        their clients keep being served while it loads."""
         if self.cores is None:
             yield
             return
         wait_s = self.config.startup_timeout / 2
         with self.cores.loading(self.model_name, wait_s) as turn:
-            self.load_waited_s = turn.waited_s
+            self.load_waited_s, self.load_waited_for = turn.waited_s, turn.waited_for
             if turn.alone and self.threads.value != self.cores.cores:
                 self.threads = hardware.Choice(self.cores.cores, (
-                    f"auto: {self.cores.cores} usable cores (CPU affinity and limit); this model's workers load in "
+                    f"auto: {self.cores.cores} usable cores (CPU affinity and limit); workers on them load in "
                     "turn, each on all of them, and share them forward by forward once READY (per_forward)"))
+            models = ", ".join("this model" if name == self.model_name else name for name in turn.waited_for)
             if not turn.alone:
-                logger.warning("load: another worker of %s still loads on these cores after %.0fs (half of "
-                               "startupTimeout); loading beside it", self.model_name, turn.waited_s)
+                logger.warning("load: another worker still loads on these cores (%s) after %.0fs (half of "
+                               "startupTimeout); loading beside it", models or "model unknown", turn.waited_s)
             elif turn.waited_s > 0:  # any wait: an operator reading the log sees why this load took longer
-                logger.info("load: waited %.1fs for another worker of %s to load on these cores; this one loads "
-                            "from what it kept", turn.waited_s, self.model_name)
+                logger.info("load: waited %.1fs for the loads of other workers on these cores (%s): workers on them "
+                            "load one at a time%s", turn.waited_s, models or "model unknown",
+                            "; this one loads from what that worker kept" if self.model_name in turn.waited_for
+                            else "")
             # Measurements and what it keeps stay under the count it serves at alone (self.threads): a sibling's
             # are found, and a race ranks its rungs alike on fewer cores.
             self.load_threads = min(turn.threads, self.threads.value)
@@ -435,6 +440,7 @@ class Engine:
             "inputs": self._task.describe_inputs() if self._task else None,
             "load_seconds": self.load_seconds,
             "load_waited_s": self.load_waited_s,
+            "load_waited_for": list(self.load_waited_for),
             "optimization": optimization,
             "batches": {"count": self.batches, "max_requests": self.max_batch_requests},
             "config_warnings": list(self.config.warnings),

@@ -16,6 +16,9 @@ Three measurements, one run, one fresh compile cache directory:
 5. with ``--workers N`` (N > 1): a cold start of the model YAML with ``minWorkers: N``, from another empty cache;
    time until the first worker is READY and until all are (the workers of a model load in turn, each on every core,
    and the next loads from what the first kept: ``CoreShare.loading``).
+6. with ``--with-model CONFIG``: a cold start of this model and another (CONFIG, served as ``other``) at once, from
+   another empty cache, as ``--models a.mar b.mar`` starts them; time until the first model is READY and until both
+   are (workers on the same cores load in turn, whatever their model).
 
 Each worker's own load time (from the handler's READY log line) is recorded beside the wall-clock times.
 
@@ -47,11 +50,11 @@ PORT_SHIFT = 30000  # away from the shipped ports, the tests (+10000) and bench_
 MODEL = "minilm"
 
 
-def worker_load_seconds(run_dir: Path) -> list[float]:
+def worker_load_seconds(run_dir: Path, model: str = MODEL) -> list[float]:
     """Each worker's own load time (model loaded, ladder run, READY), from the handler's log line."""
     log = run_dir / "logs" / "model_log.log"
     text = log.read_text(errors="replace") if log.is_file() else ""
-    return [float(m) for m in re.findall(rf"model {MODEL} READY on rung \S+ after ([0-9.]+)s", text)]
+    return [float(m) for m in re.findall(rf"model {model} READY on rung \S+ after ([0-9.]+)s", text)]
 
 
 class LiveClients:
@@ -180,6 +183,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                  "worker_load_seconds": worker_load_seconds(tmp / "run-c")[-1]})
     if args.workers > 1:
         rows += cold_workers(args, tmp, config)
+    if args.with_model:
+        rows += two_models(args, tmp, config)
     for row in rows:
         row["vs_cold"] = round(row["ready_seconds"] / cold, 2)
         row["cache_mb"] = round(size_mb, 1)
@@ -209,6 +214,48 @@ def cold_workers(args: argparse.Namespace, tmp: Path, config: Path) -> list[dict
              "worker_load_seconds": max(loads)}]
 
 
+def two_models(args: argparse.Namespace, tmp: Path, config: Path) -> list[dict]:
+    """Case 6: this model and ``other`` (``--with-model``) started at once, cold; wall time to each one's READY."""
+    other = "other"
+    bc.log(f"6/6 cold start of {MODEL} and {other} ({args.with_model}) at once (another empty compile cache)")
+    store = tmp / "store-two"
+    package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
+    package.build(other, package.default_model_dir(), args.with_model.resolve(), store)
+    run_dir = tmp / "run-e"
+    ready: dict[str, float] = {}
+    started = time.monotonic()
+    done = threading.Event()
+
+    def watch(server: tsctl.Server) -> None:  # each model's READY, as it comes
+        while not done.is_set() and len(ready) < 2:
+            for name in (MODEL, other):
+                try:
+                    serving = any(w.get("status") == "READY" for w in tsctl.workers(server, name))
+                except (OSError, ValueError, KeyError):  # not up yet: no key file, no answer
+                    serving = False
+                if name not in ready and serving:
+                    ready[name] = round(time.monotonic() - started, 1)
+            time.sleep(0.2)
+
+    server = tsctl.server_for(config, run_dir)  # the ports; the key file is read once the server writes it
+    watcher = threading.Thread(target=watch, args=(server,), daemon=True)
+    watcher.start()
+    try:
+        tsctl.start(config, store, [f"{MODEL}={MODEL}.mar", f"{other}={other}.mar"], run_dir, timeout=900,
+                    extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp / "cache-two")})
+        watcher.join(timeout=5)
+    finally:
+        done.set()
+        tsctl.stop(run_dir)
+    loads = {name: worker_load_seconds(run_dir, name)[-1] for name in (MODEL, other)}
+    bc.log(f"    READY after (s): {ready}; each worker's load (its wait for its turn included): {loads}")
+    first, second = sorted(ready, key=ready.get)
+    return [{"case": f"{MODEL} and {other} at once, cold: first READY ({first})", "ready_seconds": ready[first],
+             "worker_load_seconds": loads[first]},
+            {"case": f"{MODEL} and {other} at once, cold: both READY", "ready_seconds": ready[second],
+             "worker_load_seconds": loads[second]}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=bc.REPO / "model_configs" / "minilm-embeddings.yaml")
@@ -219,13 +266,15 @@ def main() -> None:
                         help="clients sending to the first worker through the scale-up (case 2); 0: none")
     parser.add_argument("--settle", type=float, default=20.0,
                         help="seconds the clients send before the scale-up (the first 5 are left out)")
+    parser.add_argument("--with-model", type=Path, default=None, metavar="CONFIG",
+                        help="also a cold start of this model and another (this model YAML) at once")
     args = parser.parse_args()
     header = bc.run_header(args)
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         try:
             rows = measure(args, Path(tmp))
         finally:  # the workers' own timings (per warmup shape), kept beside the results
-            for run in ("run-a", "run-b", "run-c", "run-d"):
+            for run in ("run-a", "run-b", "run-c", "run-d", "run-e"):
                 log = Path(tmp) / run / "logs" / "model_log.log"
                 if log.is_file():
                     args.out.mkdir(parents=True, exist_ok=True)

@@ -205,18 +205,17 @@ def test_a_killed_worker_keeps_no_cores(tmp_path, siblings):
         assert grant.threads == 2 and grant.waited_ms < 100, grant
 
 
-def test_workers_of_one_model_load_in_turn(tmp_path, siblings):
-    """Another worker loading this model: this one waits for its load to end, or gives up waiting at the bound and
-    loads beside it. Another model's load, or another engine of this process, never holds it up."""
+def test_workers_on_these_cores_load_in_turn_whatever_their_model(tmp_path, siblings):
+    """Another worker loading, this model or another: this one waits for its load to end, or gives up waiting at the
+    bound and loads beside it, and names the models it waited for. Another engine of this process never holds it
+    up."""
     mine, other = share(tmp_path), siblings()
     assert other.send("load minilm") == "turn True threads 2"
-    with mine.loading("minilm-int8", 60) as turn:
-        assert turn == core_share.Turn(0.0, True, 2)
-    with mine.loading("minilm", 0.5) as turn:
-        assert not turn.alone and 0.5 <= turn.waited_s < 2, turn
+    with mine.loading("minilm-int8", 0.5) as turn:
+        assert not turn.alone and 0.5 <= turn.waited_s < 2 and turn.waited_for == ("minilm",), turn
     releases = other.later(1.0, "loaded")
-    with mine.loading("minilm", 60) as turn:
-        assert turn.alone and 0.7 <= turn.waited_s < 10, turn
+    with mine.loading("minilm-int8", 60) as turn:
+        assert turn.alone and 0.7 <= turn.waited_s < 10 and turn.waited_for == ("minilm",), turn
         releases.join()
         assert other.read() == "ok"
         with mine.loading("minilm", 0) as nested:  # a second engine of this process
@@ -260,17 +259,18 @@ def test_a_worker_loading_beside_serving_workers_leaves_their_forwards_the_rest_
     assert other.send("loaded") == "ok"
 
 
-def test_an_engine_loads_after_another_worker_of_its_model(tiny_bert_dir, siblings):
+def test_an_engine_loads_after_another_worker_on_its_cores(tiny_bert_dir, siblings):
     engine = make_engine(tiny_bert_dir, name="turns")
     assert engine.cores is not None
     other = siblings(engine.cores.cores, engine.cores.path)
-    assert other.send("load turns").startswith("turn True threads ")  # fewer if an engine of this process served
+    assert other.send("load other-model").startswith("turn True threads ")  # fewer if an engine of this process served
     releases = other.later(1.0, "loaded")
     engine.load()
     releases.join()
     assert other.read() == "ok"
-    waited = engine.describe()["load_waited_s"]
-    assert 0.7 <= waited <= engine.load_seconds, (waited, engine.load_seconds)
+    described = engine.describe()
+    assert 0.7 <= described["load_waited_s"] <= engine.load_seconds, (described, engine.load_seconds)
+    assert described["load_waited_for"] == ["other-model"]
 
 
 def test_an_engine_loads_on_its_share_beside_a_serving_worker_and_then_serves(tiny_bert_dir, siblings):

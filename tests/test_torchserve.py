@@ -352,8 +352,8 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
     log_text = log.read_text(errors="replace")[offset:]
     assert_loaded_from_the_cache(log_text, new)
     # The two new workers took turns: one loaded, the other waited for it, then loaded from what it kept
-    waited = [w for w in new if re.search(rf"W-{w}-minilm_.* load: waited [\d.]+s for another worker of minilm",
-                                          log_text)]
+    waited = [w for w in new if re.search(rf"W-{w}-minilm_.* load: waited [\d.]+s for the loads of other workers on "
+                                          r"these cores \(this model\)", log_text)]
     assert len(waited) == 1, [line for line in log_text.splitlines() if " load: " in line]
     # ... each beside the worker(s) already serving the trickle: on its share of the cores, leaving them the rest
     beside = [w for w in new if re.search(rf"W-{w}-minilm_.* load: \d+ other worker\(s\) serve on these \d+ cores: "
@@ -510,6 +510,33 @@ def test_the_int8_archive_serves_int8_where_it_passes_and_pays(server, reference
     assert_loaded_from_the_cache(log.read_text(errors="replace")[offset:], new, model="minilm-int8")
     status, body = server.management("DELETE", "/models/minilm-int8")
     assert status == 200, body
+
+
+@pytest.mark.default_profile  # the token-classification archive is served by the default profile only
+def test_models_registered_at_once_load_one_after_the_other(server):
+    """Two models registered at the same moment (as several models at server start): their workers take turns on
+    the cores, so each measures its rungs on quiet cores, and the one that waited names the model it waited for.
+    The later tests serve them."""
+    models = ("minilm-sentiment", "minilm-ner")
+    answers: dict[str, tuple[int, bytes]] = {}
+
+    def register(model: str) -> None:
+        answers[model] = server.management("POST", f"/models?url={model}.mar&initial_workers=1&synchronous=true",
+                                           timeout=900)
+
+    threads = [threading.Thread(target=register, args=(model,)) for model in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(status == 200 for status, _ in answers.values()), answers
+    waits = {model: (meta["load_waited_s"], meta["load_waited_for"]) for model in models
+             for meta in [describe(server, model)["customizedMetadata"]]}
+    first, second = sorted(models, key=lambda model: waits[model][0])
+    assert waits[first] == (0.0, []) and waits[second][0] > 0 and waits[second][1] == [first], waits
+    log = (server.run_dir / "logs" / "model_log.log").read_text(errors="replace")
+    assert re.search(rf"{second}_.* load: waited [\d.]+s for the loads of other workers on these cores \({first}\)",
+                     log), waits
 
 
 def test_text_classification_compiled_equals_the_pipeline(server, task_model_dirs):
