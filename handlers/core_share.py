@@ -21,7 +21,7 @@ model's ``minWorkers: 2``, or several models at server start), each measured its
 others compiled on the cores it needed, and none served until all were done. CPU D, cold: the int8 archive with
 ``minWorkers: 2``, READY after 108 and 110 s loading together, after 80 and 98 s in turn (the second loads from what
 the first kept: its compile cache and measurements); the default and the int8 archive started together, READY after
-104 and 159 s, against 32 and 82 s (after 40 and 128 s of wall time) in turn.
+116 and 185 s loading together, after 44 and 147 s in turn.
 
 A worker that loads while other workers on these cores serve (a scale-up, a restart, another model registered) holds
 a batch until it is READY, so the serving workers' forwards take their share of the cores, and where they are busy
@@ -103,7 +103,7 @@ class CoreShare:
         self.path = path
         self.remember_s = remember_s
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        size = _FIRST_SLOT + SLOTS * _SLOT_BYTES
+        size = _LOADER + _LOADER_BYTES
         if os.fstat(self._fd).st_size < size:
             os.ftruncate(self._fd, size)  # each worker writes only its own slot's byte
         self.slot = self._claim_slot()
@@ -155,6 +155,8 @@ class CoreShare:
         held = self._take_load(model)
         while not held and time.monotonic() - started < wait_s:
             loader = self._loader()
+            if loader == _as_written(model):  # cut as written: a long name is this model's still
+                loader = model
             if loader and loader not in waited_for:
                 waited_for.append(loader)
             time.sleep(_LOAD_LOOK_SECONDS)
@@ -211,21 +213,28 @@ class CoreShare:
 
     def _take_load(self, model: str) -> bool:
         with self._lock:
-            if self._loads or self._try_lock(_LOAD):
-                self._loads += 1
-                if self._loads == 1:
-                    os.pwrite(self._fd, model.encode()[:_LOADER_BYTES].ljust(_LOADER_BYTES, b"\0"), _LOADER)
-                return True
-            return False
+            if not self._loads and not self._try_lock(_LOAD):
+                return False
+            self._loads += 1
+            if self._loads == 1:
+                try:  # the name is for the log of a worker that waits: a load never fails for it
+                    os.pwrite(self._fd, _as_written(model).encode().ljust(_LOADER_BYTES, b"\0"), _LOADER)
+                except OSError:
+                    pass
+            return True
 
     def _give_load(self) -> None:
         with self._lock:
             self._loads -= 1
             if self._loads == 0:
+                try:  # no name while no one loads: a waiter never names a load that ended
+                    os.pwrite(self._fd, bytes(_LOADER_BYTES), _LOADER)
+                except OSError:
+                    pass
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _LOAD)
 
     def _loader(self) -> str:
-        """The model the worker holding the load turn loads (as it wrote it; empty if none is written)."""
+        """The model the worker holding the load turn loads (as it wrote it; empty while it has not)."""
         return os.pread(self._fd, _LOADER_BYTES, _LOADER).rstrip(b"\0").decode(errors="replace")
 
     def _sharing(self, now_holding: int) -> int:
@@ -306,6 +315,11 @@ class CoreShare:
             return True
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
         return False
+
+
+def _as_written(model: str) -> str:
+    """``model`` as the load's holder writes it: cut to fit, on a character boundary."""
+    return model.encode()[:_LOADER_BYTES].decode(errors="ignore")
 
 
 def _within(share: int, runs_at: Collection[int] | None) -> int:

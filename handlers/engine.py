@@ -115,7 +115,8 @@ class Engine:
         (``CoreShare.loading``), each on every core: it measures on cores the others leave quiet, at the count it runs
         at alone, and the next worker of a model loads from what the first kept. Measured on CPU D, cold: the int8
         archive with ``minWorkers: 2``, both READY after 108-110 s loading beside each other, after 80 and 98 s in
-        turn; the default and the int8 archive started together, after 104 and 159 s, in turn after 32 and 82 s.
+        turn; the default and the int8 archive started together, READY after 116 and 185 s, in turn after 44 and
+        147 s.
         Beside workers that already serve clients, it loads on its share of the cores and leaves them the rest, so
         their clients keep being served while it loads."""
         if self.cores is None:
@@ -130,8 +131,8 @@ class Engine:
                     "turn, each on all of them, and share them forward by forward once READY (per_forward)"))
             models = ", ".join("this model" if name == self.model_name else name for name in turn.waited_for)
             if not turn.alone:
-                logger.warning("load: another worker still loads on these cores (%s) after %.0fs (half of "
-                               "startupTimeout); loading beside it", models or "model unknown", turn.waited_s)
+                logger.warning("load: another worker still loads on these cores after %.0fs (half of startupTimeout; "
+                               "waited for: %s); loading beside it", turn.waited_s, models or "model unknown")
             elif turn.waited_s > 0:  # any wait: an operator reading the log sees why this load took longer
                 logger.info("load: waited %.1fs for the loads of other workers on these cores (%s): workers on them "
                             "load one at a time%s", turn.waited_s, models or "model unknown",

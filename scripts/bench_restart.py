@@ -14,7 +14,7 @@ Three measurements, one run, one fresh compile cache directory:
 4. the same from a copy without what the loads measured (``handlers.memory``: the races, int8's choice of layers),
    so the worker measures again: what remembering them saves.
 5. with ``--workers N`` (N > 1): a cold start of the model YAML with ``minWorkers: N``, from another empty cache;
-   time until the first worker is READY and until all are (the workers of a model load in turn, each on every core,
+   time until the first worker is READY and until all are (workers on the same cores load in turn, each on every core,
    and the next loads from what the first kept: ``CoreShare.loading``).
 6. with ``--with-model CONFIG``: a cold start of this model and another (CONFIG, served as ``other``) at once, from
    another empty cache, as ``--models a.mar b.mar`` starts them; time until the first model is READY and until both

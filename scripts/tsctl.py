@@ -111,9 +111,9 @@ def server_env(run_dir: Path, extra: dict[str, str] | None = None) -> dict[str, 
 def start(config: Path, model_store: Path, models: list[str], run_dir: Path, timeout: float,
           extra_env: dict[str, str] | None = None, every_worker: bool = False) -> Server:
     """Start TorchServe in ``run_dir`` with ``models`` ("name=file.mar") and wait until each is READY: one worker
-    serves; ``every_worker`` waits for each model's ``minWorkers`` (a model's workers load in turn, and a benchmark
-    timed while the next one loads measures its compile). ``extra_env`` goes to the server and its workers (e.g.
-    TORCHINDUCTOR_CACHE_DIR)."""
+    serves; ``every_worker`` waits for each model's ``minWorkers`` (workers on the same cores load in turn, and a
+    benchmark timed while the next one loads measures its compile). ``extra_env`` goes to the server and its workers
+    (e.g. TORCHINDUCTOR_CACHE_DIR)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tmp").mkdir(exist_ok=True)
     config = with_absolute_paths(config, run_dir)

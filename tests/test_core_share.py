@@ -228,6 +228,24 @@ def test_workers_on_these_cores_load_in_turn_whatever_their_model(tmp_path, sibl
         assert turn == core_share.Turn(0.0, True, 2)
 
 
+def test_a_load_names_its_model_only_while_it_holds_the_turn(tmp_path, siblings):
+    """The name a waiting worker reports: the holder's, cut to fit (a long name still reads as this model's), and
+    none once its load ends or its process dies."""
+    mine, other = share(tmp_path), siblings()
+    long_name = "m" * 200
+    assert other.send(f"load {long_name}") == "turn True threads 2"
+    with mine.loading(long_name, 0.3) as turn:
+        assert not turn.alone and turn.waited_for == (long_name,), turn
+    assert other.send("loaded") == "ok" and mine._loader() == ""
+    assert other.send("load minilm") == "turn True threads 2"
+    assert mine._loader() == "minilm"
+    other.close()
+    with mine.loading("minilm-int8", 0) as turn:
+        assert turn == core_share.Turn(0.0, True, 2)
+        assert mine._loader() == "minilm-int8"
+    assert mine._loader() == ""
+
+
 def test_a_worker_loading_beside_serving_workers_leaves_their_forwards_the_rest_of_the_cores(tmp_path, siblings):
     """A scale-up or a restart beside a worker that serves: the load holds a batch, so the serving worker's forwards
     take their share, and loads on its own share where that worker is busy (on every core beside an idle one). A

@@ -366,7 +366,7 @@ def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str], model: str
     bypassed (a frozen int8 graph included: ``handlers.prepacked_cache``). Where auto's bf16 screen races fp32 eager
     (CPUs with bf16 instructions), a new worker follows the race the first one kept (``handlers.memory``): one that
     raced while the others loaded beside it could pick the other precision, whose graph no worker compiled (workers
-    of one model now load in turn, ``CoreShare.loading``, and still follow it)."""
+    on the same cores now load in turn, ``CoreShare.loading``, and still follow it)."""
     autos_bf16_is_raced = DType.BFLOAT16 in hardware.resolve_precisions((DType.AUTO,), torch.device("cpu")).value
     for worker_id in worker_ids:
         lines = [line for line in log_text.splitlines() if f"W-{worker_id}-{model}_" in line]

@@ -39,12 +39,12 @@ class ModelYaml(Section):
         Field(default_factory=SettingsSection)
     """This package's settings."""
     minWorkers: PositiveInt = 1  # TorchServe's spelling
-    """TorchServe's worker count. With `threads: auto` a model's workers load in turn, each on every core, then share
-    the cores forward by forward; one that waited half of `startupTimeout` for a sibling's load loads beside it, on
-    the cores divided by `minWorkers`."""
+    """TorchServe's worker count. With `threads: auto` the workers on the same cores load in turn, whatever their
+    model, each on every core, then share the cores forward by forward; one that waited half of `startupTimeout` for
+    the others' loads loads beside them, on the cores divided by `minWorkers`."""
     startupTimeout: PositiveInt = 120  # TorchServe's default
-    """TorchServe's limit, in seconds, for a worker to load. A worker whose sibling of the same model loads on the
-    same cores waits for it at most half of this, then loads beside it."""
+    """TorchServe's limit, in seconds, for a worker to load. A worker that finds another worker loading on the same
+    cores (of any model) waits for it at most half of this, then loads beside it."""
     batchSize: PositiveInt = 1
     """TorchServe's server-side batching: up to this many requests per forward."""
     maxBatchDelay: Annotated[StrictInt, Field(ge=0)] = 100

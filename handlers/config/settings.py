@@ -283,8 +283,8 @@ class SettingsSection(Section):
     """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it (fixed); else the workers on the
     usable cores (CPU affinity, capped by the container's CPU limit) share them forward by forward: a forward runs on
     every core while no other worker holds a batch, on an equal share while others do (or did at once in the last
-    0.1 s), and waits rather than oversubscribe them (a model's workers load in turn, each on every core; its compiled
-    forward is proven at every core and at half of them, with the same graphs where inductor compiles it).
+    0.1 s), and waits rather than oversubscribe them (the workers on the cores load in turn, each on every core; its
+    compiled forward is proven at every core and at half of them, with the same graphs where inductor compiles it).
     A number: that many threads for every forward, shared with no one."""
     compile_cache: StrictStr | None = DEFAULTS.compile_cache
     """Where inductor keeps compiled graphs and kernels. Left out: `TORCHINDUCTOR_CACHE_DIR`, else torch's default.
