@@ -252,6 +252,7 @@ def test_varied_shapes_are_served_compiled_without_compiling_after_ready(server,
     assert (runtime["compiles_after_ready"], runtime["eager_batches"], runtime["runtime_failures"]) == (0, 0, 0)
 
 
+@pytest.mark.default_profile  # the shape policy and the cache fallback are ours; both profiles prove them in-process
 def test_static_buckets_and_an_unusable_compile_cache(server, reference):
     status, body = server.management("POST", "/models?url=minilm-buckets.mar&initial_workers=1&synchronous=true",
                                      timeout=900)
@@ -290,6 +291,7 @@ def trickle(server, client: int, phase: list[str], stop: threading.Event, result
         time.sleep(0.05)
 
 
+@pytest.mark.default_profile  # TorchServe's scaling and the core share: no torch-version dependence
 def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_compile_cache(server, reference):
     """scripts/manage.py scales minilm to 3 workers and back while clients keep sending. Scaling up fails no
     request; each new worker proves its rung (the model log's READY line per worker) and loads its graphs from the
@@ -539,6 +541,7 @@ def test_models_registered_at_once_load_one_after_the_other(server):
                      log), waits
 
 
+@pytest.mark.default_profile  # the task itself is proven compiled in both (tests/test_<task>.py)
 def test_text_classification_compiled_equals_the_pipeline(server, task_model_dirs):
     import transformers
 
