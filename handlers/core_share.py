@@ -20,8 +20,8 @@ Workers on these cores also take turns loading, whatever model they load (``load
 model's ``minWorkers: 2``, or several models at server start), each measured its rungs, races and costs while the
 others compiled on the cores it needed, and none served until all were done. CPU D, cold: the int8 archive with
 ``minWorkers: 2``, READY after 108 and 110 s loading together, after 80 and 98 s in turn (the second loads from what
-the first kept: its compile cache and measurements); the default and the int8 archive started together, READY after
-116 and 185 s loading together, after 44 and 147 s in turn.
+the first kept: its compile cache and measurements). CPU A (an AMD EPYC), cold: the default and the int8 archive
+started together, READY after 116 and 185 s loading together, after 44 and 147 s in turn.
 
 A worker that loads while other workers on these cores serve (a scale-up, a restart, another model registered) holds
 a batch until it is READY, so the serving workers' forwards take their share of the cores, and where they are busy

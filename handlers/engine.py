@@ -115,8 +115,8 @@ class Engine:
         (``CoreShare.loading``), each on every core: it measures on cores the others leave quiet, at the count it runs
         at alone, and the next worker of a model loads from what the first kept. Measured on CPU D, cold: the int8
         archive with ``minWorkers: 2``, both READY after 108-110 s loading beside each other, after 80 and 98 s in
-        turn; the default and the int8 archive started together, READY after 116 and 185 s, in turn after 44 and
-        147 s.
+        turn; on CPU A (an AMD EPYC) the default and the int8 archive started together, READY after 116 and 185 s,
+        in turn after 44 and 147 s.
         Beside workers that already serve clients, it loads on its share of the cores and leaves them the rest, so
         their clients keep being served while it loads."""
         if self.cores is None:
