@@ -218,8 +218,7 @@ def two_models(args: argparse.Namespace, tmp: Path, config: Path) -> list[dict]:
     """Case 6: this model and ``other`` (``--with-model``) started at once, cold; wall time to each one's READY."""
     other = "other"
     bc.log(f"6/6 cold start of {MODEL} and {other} ({args.with_model}) at once (another empty compile cache)")
-    store = tmp / "store-two"
-    package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
+    store = tmp / "store"  # this model's archive, built for case 1, beside the other's
     package.build(other, package.default_model_dir(), args.with_model.resolve(), store)
     run_dir = tmp / "run-e"
     ready: dict[str, float] = {}
