@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 INT8, BF16, FP32, AUTO = DType.INT8, DType.BFLOAT16, DType.FLOAT32, DType.AUTO
 VNNI_AND_BF16 = {"avx512_bf16": True, "avx512_vnni": True}
 AVX2_ONLY: dict[str, bool] = {}
-SHAPES = {"policy": "buckets", "batch_sizes": [1, 2], "seq_lengths": [32]}
+SHAPES = {"policy": "dynamic", "batch_sizes": [1, 2], "seq_lengths": [32]}
 TEXTS = ["int8 keeps two nines of cosine", "a second, rather longer sentence about quantized linear layers"]
 
 
@@ -159,7 +159,7 @@ def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir,
     said = (f"calibrated on 9 texts of {path} (5 batches); judged on the {warmed} warmup batches and {warmed} held-out "
             f"batches of the other 3 texts of {path}") if calibration_file else (
         f"calibrated on the warmup batches ({warmed} batches); judged on the {warmed} warmup batches and {warmed} "
-        "held-out batches of 6 texts of the vocabulary's")
+        f"held-out batches of {sum(size for size, _ in engine.shapes.warmup_shapes())} texts of the vocabulary's")
     assert optimization["int8_calibration"].startswith(said), optimization["int8_calibration"]
     for attempt in optimization["attempts"][:2]:
         assert attempt["quality"]["metric"] == "min_cosine"

@@ -13,7 +13,7 @@ import torch
 from handlers.config import load_config
 from handlers.engine import Engine
 
-SHAPES = {"policy": "buckets", "batch_sizes": [1, 2], "seq_lengths": [32]}
+SHAPES = {"policy": "dynamic", "batch_sizes": [1, 2], "seq_lengths": [32]}
 
 
 def auto_served(optimization: dict, tried: list[str]) -> str:
