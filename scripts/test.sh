@@ -4,7 +4,7 @@
 #   1. default (.venv: torch 2.13 CPU): unit + real TorchServe tests (the docs' examples among them), and the IPEX 2.8
 #      wheel beside torch 2.13
 #   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the suite but the default_profile tests, plus the IPEX rung for real
-# One minilm.mar is built once and served in both. Arguments go to both pytest runs.
+# Each archive is built once and served in both. Arguments go to both pytest runs.
 # PT2_PROFILES=default runs stage 1 only (a quick local loop); CI runs both. On an AVX-512 CPU stage 1 ends with the
 # precision tests as an AVX2-only CPU runs them (below).
 # PT2_TEST_ISA=avx2 holds torch's and oneDNN's kernels to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), so an
@@ -32,10 +32,13 @@ echo "[test] ruff check"
 echo "[test] docs: mkdocs build --strict"
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
-echo "[test] one archive for both profiles"
+# Each archive the tests serve is built once, by the first profile that needs it (tests/conftest.py: model_store),
+# and served by both: the same bytes under torch 2.13 and 2.8. Emptied first, so no archive of an earlier checkout
+# is served.
+echo "[test] one store of archives for both profiles"
 shared_store=.cache/shared-store
-.venv/bin/python scripts/package.py --name minilm --export-path "$shared_store"
-export PT2_SHARED_ARCHIVE=$PWD/$shared_store/minilm.mar
+rm -rf "$shared_store" && mkdir -p "$shared_store"
+export PT2_SHARED_STORE=$PWD/$shared_store
 
 # transformers 4.57.1 beside the venvs (never imported by them): the question-answering pipeline the QA task is
 # proven against, run in a subprocess (tests/pipeline_reference.py).

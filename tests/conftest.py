@@ -15,7 +15,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-SHARED_ARCHIVE_ENV = "PT2_SHARED_ARCHIVE"  # one minilm.mar for both profiles (scripts/test.sh)
+SHARED_STORE_ENV = "PT2_SHARED_STORE"  # the archives both profiles serve, each built once (scripts/test.sh)
 IPEX_WHEEL_ENV = "PT2_IPEX_WHEEL_DIR"  # the IPEX 2.8 wheel, unpacked, for the version-mismatch tests
 QA_REFERENCE_ENV = "PT2_QA_REFERENCE_DIR"  # transformers 4.57.1, whose question-answering pipeline is the reference
 PROFILE_ENV = "PT2_PROFILE"  # which profile this venv is, said by scripts/test.sh: one of PROFILES
@@ -143,27 +143,37 @@ def task_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
-    """The archives the integration tests serve, built by scripts/package.py as a user builds them."""
+    """The archives the integration tests serve, built by scripts/package.py as a user builds them. Under
+    scripts/test.sh each is built once, by the first profile that needs it, into the shared store: both profiles serve
+    the very same bytes (the weights of scripts/make_test_models.py do not depend on the torch version)."""
     sys.path.insert(0, str(REPO / "scripts"))
     import package
 
     store = tmp_path_factory.mktemp("model_store")
-    shared = os.environ.get(SHARED_ARCHIVE_ENV)
-    if shared:  # scripts/test.sh builds it once; both profiles serve the very same bytes
-        shutil.copy(shared, store / "minilm.mar")
-    else:
-        package.build("minilm", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml", store)
-    package.build("minilm-buckets", minilm_dir, REPO / "tests" / "configs" / "minilm-buckets.yaml", store)
+    shared = Path(os.environ[SHARED_STORE_ENV]) if os.environ.get(SHARED_STORE_ENV) else None
+
+    def archive(name: str, model_dir: Path, config: Path, extra_files: tuple[Path, ...] = ()) -> None:
+        kept = shared / f"{name}.mar" if shared else None
+        if kept and kept.is_file():
+            shutil.copy(kept, store / kept.name)
+            print(f"[package] {name}.mar from the shared store {shared}", flush=True)
+            return
+        built = package.build(name, model_dir, config, store, extra_files=extra_files)
+        if kept:  # whole or not at all: a run stopped mid-copy leaves no half archive for the next profile
+            shutil.copy(built, kept.with_suffix(".partial"))
+            kept.with_suffix(".partial").replace(kept)
+
+    archive("minilm", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml")
+    archive("minilm-buckets", minilm_dir, REPO / "tests" / "configs" / "minilm-buckets.yaml")
     for name, config in (("minilm-sentiment", "minilm-text-classification.yaml"),
                          ("minilm-ner", "minilm-token-classification.yaml"),
                          ("minilm-qa", "minilm-question-answering.yaml"),
                          ("tiny-llama", "tiny-llama-generation.yaml")):
-        package.build(name, task_model_dirs[name], REPO / "model_configs" / config, store)
-    package.build("minilm-int8", minilm_dir, REPO / "model_configs" / "minilm-embeddings-int8.yaml", store)
+        archive(name, task_model_dirs[name], REPO / "model_configs" / config)
+    archive("minilm-int8", minilm_dir, REPO / "model_configs" / "minilm-embeddings-int8.yaml")
     for name, config in (("minilm-faulty", "minilm-faulty-backend.yaml"), ("minilm-wrong", "minilm-wrong-numbers.yaml"),
                          ("minilm-breaks", "minilm-breaks-after-ready.yaml")):
-        package.build(name, minilm_dir, REPO / "tests" / "configs" / config, store,
-                      extra_files=(REPO / "tests" / "faulty_backends.py",))
+        archive(name, minilm_dir, REPO / "tests" / "configs" / config, (REPO / "tests" / "faulty_backends.py",))
     return store
 
 

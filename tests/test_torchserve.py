@@ -26,7 +26,7 @@ import tsctl  # noqa: E402
 from handlers import hardware  # noqa: E402
 from handlers.config import DType  # noqa: E402
 from handlers.ipex import probe_ipex  # noqa: E402
-from tests.conftest import SHARED_ARCHIVE_ENV  # noqa: E402
+from tests.conftest import SHARED_STORE_ENV  # noqa: E402
 from tests.test_int8 import assert_raced  # noqa: E402
 from tests.test_precision import auto_served  # noqa: E402
 
@@ -127,9 +127,9 @@ def test_package_refuses_a_model_yaml_the_worker_would_reject(tmp_path, minilm_d
 
 
 def test_archive_is_self_contained(model_store):
-    shared = os.environ.get(SHARED_ARCHIVE_ENV)
-    if shared:
-        digest = hashlib.sha256(Path(shared).read_bytes()).hexdigest()
+    if os.environ.get(SHARED_STORE_ENV):
+        shared = Path(os.environ[SHARED_STORE_ENV]) / "minilm.mar"
+        digest = hashlib.sha256(shared.read_bytes()).hexdigest()
         print(f"serving the shared archive {shared} (sha256 {digest[:16]}) with torch {torch.__version__}")
         assert hashlib.sha256((model_store / "minilm.mar").read_bytes()).hexdigest() == digest
     with zipfile.ZipFile(model_store / "minilm.mar") as archive:
