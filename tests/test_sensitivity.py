@@ -107,6 +107,68 @@ def test_a_budget_of_nothing_takes_nothing_and_no_candidates_measure_nothing():
     assert none.taken == () and none.describe() == "no layer is kept in float by rule"
 
 
+class Stack(torch.nn.Module):
+    """Three FFN-like blocks in a ModuleList, run in turn with a residual (a transformer's layers, in small): the
+    middle one's hidden channel 0 is 500 times the rest, the others even. ``ran`` counts each block's real runs (at
+    its GELU: the linears are swapped for stand-ins while scored)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList()
+        for outliers in (0, 1, 0):
+            up, down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+            with torch.no_grad():
+                up.weight[:outliers] *= 500
+                up.bias[:outliers] = 500
+                down.weight[:, :outliers] = 0
+            self.blocks.append(torch.nn.Sequential(up, torch.nn.GELU(), down))
+        self.ran = [0, 0, 0]
+        for index, block in enumerate(self.blocks):
+            block[1].register_forward_pre_hook(lambda *_, index=index: self.ran.__setitem__(index, self.ran[index] + 1))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.parametrize("held_out", [False, True], ids=["one-scorer", "held-out-scorer"])
+def test_layers_after_the_first_block_are_scored_alone_on_its_replayed_outputs_with_the_same_answers(monkeypatch,
+                                                                                                     held_out):
+    """Scoring a layer alone reruns only its block and those after: the blocks before it give back what they gave
+    (recorded once). The choice is the same to the bit as when every scoring runs the whole model."""
+    judged = batches(seed=2)
+    model = Stack().eval()
+    with torch.inference_mode():
+        wanted = [model(**batch) for batch in judged]
+    gate = CosineGate(0.0)
+
+    def scorer(count):
+        def score(module):
+            with torch.inference_mode():
+                return min(gate.measure(module(**batch), want) for batch, want in
+                           zip(judged[:count], wanted[:count], strict=True))
+        return score
+
+    def choose():
+        model.ran = [0, 0, 0]
+        return sensitivity.choose(model, ["blocks.0.2", "blocks.1.2", "blocks.2.2"], batches(seed=1), scorer(3),
+                                  threshold=0.99, quantized=["blocks.0.0", "blocks.1.0", "blocks.2.0"],
+                                  score_alone=scorer(2) if held_out else None), list(model.ran)
+
+    replayed, ran = choose()
+    monkeypatch.setattr(sensitivity, "REPLAY_BYTES", 0)  # nothing kept: every scoring runs the whole model
+    whole, ran_whole = choose()
+    assert (replayed.taken, dict(replayed.split), replayed.costs, replayed.together, replayed.budget) == (
+        whole.taken, dict(whole.split), whole.costs, whole.together, whole.budget)
+    assert "blocks.1.2" not in replayed.taken and replayed.costs["blocks.1.2"] > replayed.costs["blocks.0.2"]
+    alone = 2 if held_out else 3  # the batches of one scoring alone: each block runs once per batch
+    # Six scorings alone (3 layers x 2 forms): block 0 runs in the two of its own layer, block 1 in four.
+    assert [whole - mine for whole, mine in zip(ran_whole, ran, strict=True)] == [4 * alone, 2 * alone, 0]
+    assert not any(layer._forward_hooks for layer in model.modules()) and "forward" not in vars(model.blocks[0])
+
+
 def ladder(model, memory=None):
     """int8, then fp32: a compile rung (dynamo's eager backend: the gate and the order are tested here) and eager."""
     rungs = [CompileRung("compile", CompileSpec(enabled=True, backend="eager")), EagerRung()]
