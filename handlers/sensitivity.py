@@ -11,10 +11,10 @@ scores each form, and the layer keeps the cheaper. Then the cheapest layers are 
 quantizes anyway, as many as cost at most ``SHARE`` of the margin those leave above the gate's threshold (found by
 halving). Seconds for MiniLM, where building and judging a real int8 model takes tens. A layer measured alone changes
 nothing before it: where the model runs its layers as a list of blocks (a transformer's encoder layers), the blocks
-before the one holding it give back what they gave on the same batches with none of them simulated (recorded once), so
-only the rest runs. The same answers to the bit, a third less time (MiniLM's int8 archive on CPU A: 29-32 -> 21-22 s).
-The real int8 model is then judged by the gate as always; if it fails, the ladder builds int8 again with the rule's
-float layers (``handlers.ladder``).
+before the one holding it give back what they gave on the same batches with none of the candidates simulated (recorded
+once), so only the rest runs. The same answers to the bit, a third less time (MiniLM's int8 archive on CPU A: 29-32 ->
+21-22 s). The real int8 model is then judged by the gate as always; if it fails, the ladder builds int8 again with the
+rule's float layers (``handlers.ladder``).
 
 Pure torch + torchao (imported only when int8 is built).
 """
@@ -133,6 +133,7 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
             alone = best_alone - blocks.replayed(name, partial(simulated, {name: stand_in}, alone_scorer))
             if name not in costs or alone < costs[name]:  # a tie keeps the plain form: no extra work per call
                 costs[name], forms[name] = alone, (form, stand_in)
+    blocks.forget()
     budget = share * (best - threshold)
     cheapest = sorted(costs, key=lambda name: (costs[name], name))
     count, spent = _most_within(budget, len(cheapest),
@@ -145,11 +146,13 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
 
 class _Blocks:
     """The model's longest list of blocks (a transformer's layers), run in order; each candidate's block. Records
-    what each block gave on one scoring's batches, and replays it for the blocks before a candidate's."""
+    what each block gave on one scoring's batches (and what the first was given), and replays it for the blocks
+    before a candidate's while the first is given the same."""
 
     def __init__(self, blocks: Sequence[torch.nn.Module], index: Mapping[str, int]):
         self.blocks, self.index = blocks, index
         self.outputs: list[list[torch.Tensor]] | None = None  # per block, per call; None: nothing to replay
+        self.inputs: list[torch.Tensor] = []  # the first block's, per call
 
     @classmethod
     def of(cls, module: torch.nn.Module, candidates: Sequence[str]) -> _Blocks:
@@ -168,44 +171,63 @@ class _Blocks:
         with self._recording():
             return scored()
 
+    def forget(self) -> None:
+        self.outputs, self.inputs = None, []
+
     @contextmanager
     def _recording(self) -> Iterator[None]:
-        """What each block gives while this is held: kept if every output is a tensor, within ``REPLAY_BYTES``."""
+        """What each block gives while this is held, and what the first is given: kept if every one is a tensor,
+        within ``REPLAY_BYTES``. First among the blocks' hooks: what the block itself gave."""
         outputs: list[list[torch.Tensor]] = [[] for _ in self.blocks]
-        usable = [bool(self.blocks)]
+        inputs: list[torch.Tensor] = []
+        kept = [0 if self.blocks else REPLAY_BYTES + 1]  # bytes so far; past the cap, nothing is kept
 
         def keep(block: int) -> Callable[..., None]:
-            def hook(_: torch.nn.Module, __: Any, output: Any) -> None:
-                if not isinstance(output, torch.Tensor):
-                    usable[0] = False
-                elif usable[0]:
-                    outputs[block].append(output.detach().clone())
+            def hook(_: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                given = args[0] if args else None
+                if not isinstance(output, torch.Tensor) or (block == 0 and not isinstance(given, torch.Tensor)):
+                    kept[0] = REPLAY_BYTES + 1
+                if kept[0] > REPLAY_BYTES:
+                    return
+                outputs[block].append(output.detach().clone())
+                kept[0] += output.nbytes
+                if block == 0:
+                    inputs.append(given.detach().clone())
+                    kept[0] += given.nbytes
+                if kept[0] > REPLAY_BYTES:  # let go of what was kept at once
+                    inputs.clear()
+                    for per_block in outputs:
+                        per_block.clear()
 
             return hook
 
-        handles = [block.register_forward_hook(keep(index)) for index, block in enumerate(self.blocks)]
+        handles = [block.register_forward_hook(keep(index), prepend=True) for index, block in enumerate(self.blocks)]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
-        kept = sum(output.nbytes for per_block in outputs for output in per_block)
-        self.outputs = outputs if usable[0] and kept <= REPLAY_BYTES else None
+        self.outputs, self.inputs = (outputs, inputs) if kept[0] <= REPLAY_BYTES else (None, [])
 
     def replayed(self, name: str, scored: Callable[[], float]) -> float:
         """``scored()`` with the blocks before ``name``'s giving back their recorded outputs; run whole where they
-        cannot (nothing recorded, or a block called more often than it was)."""
+        cannot: nothing recorded, a block with a ``forward`` of its own, the first block given other inputs than
+        when recorded (a loop feeding answers back), or a block called other than as often as it was."""
         before = self.index.get(name, 0)
-        if self.outputs is None or before == 0:
+        outputs = self.outputs
+        if outputs is None or before == 0 or any("forward" in vars(block) for block in self.blocks[:before]):
             return scored()
-        calls = [0] * before
+        calls, strayed = [0] * before, [False]
 
         def replay(block: int) -> Callable[..., torch.Tensor]:
-            def forward(*_: Any, **__: Any) -> torch.Tensor:
-                if calls[block] >= len(self.outputs[block]):
+            def forward(*args: Any, **_: Any) -> torch.Tensor:
+                call = calls[block]
+                if call >= len(outputs[block]) or (block == 0 and not (
+                        args and isinstance(args[0], torch.Tensor) and torch.equal(args[0], self.inputs[call]))):
+                    strayed[0] = True
                     raise _NotRecorded
                 calls[block] += 1
-                return self.outputs[block][calls[block] - 1].clone()  # the model may change it in place
+                return outputs[block][call].clone()  # the model may change it in place
 
             return forward
 
@@ -218,13 +240,13 @@ class _Blocks:
         finally:
             for block in range(before):
                 del self.blocks[block].forward
-        if value is None or calls != [len(self.outputs[block]) for block in range(before)]:
+        if strayed[0] or calls != [len(outputs[block]) for block in range(before)]:
             return scored()
         return value
 
 
 class _NotRecorded(Exception):
-    """A replayed block was called more often than when it was recorded."""
+    """A replayed block was called other than as when it was recorded."""
 
 
 def _most_within(budget: float, most: int, together: Callable[[int], float]) -> tuple[int, float]:

@@ -166,7 +166,40 @@ def test_layers_after_the_first_block_are_scored_alone_on_its_replayed_outputs_w
     alone = 2 if held_out else 3  # the batches of one scoring alone: each block runs once per batch
     # Six scorings alone (3 layers x 2 forms): block 0 runs in the two of its own layer, block 1 in four.
     assert [whole - mine for whole, mine in zip(ran_whole, ran, strict=True)] == [4 * alone, 2 * alone, 0]
-    assert not any(layer._forward_hooks for layer in model.modules()) and "forward" not in vars(model.blocks[0])
+    assert not any(layer._forward_hooks for layer in model.modules())
+    assert not any("forward" in vars(block) for block in model.blocks)
+
+
+def test_a_scoring_that_feeds_answers_back_is_run_whole(monkeypatch):
+    """A second pass over the model's own answer (as a decode loop feeds tokens back): on it the first block is given
+    what the layer scored made, not what was recorded, so that scoring runs the whole model: the same choice."""
+    judged = batches(seed=2)
+    model = Stack().eval()
+
+    def twice(module, batch):
+        return module(module(**batch))
+
+    with torch.inference_mode():
+        wanted = [twice(model, batch) for batch in judged]
+    gate = CosineGate(0.0)
+
+    def score(module):
+        with torch.inference_mode():
+            return min(gate.measure(twice(module, batch), want) for batch, want in zip(judged, wanted, strict=True))
+
+    def choose():
+        model.ran = [0, 0, 0]
+        return sensitivity.choose(model, ["blocks.0.2", "blocks.1.2", "blocks.2.2"], batches(seed=1), score,
+                                  threshold=0.99, quantized=["blocks.0.0", "blocks.1.0", "blocks.2.0"]), list(model.ran)
+
+    fed_back, ran = choose()
+    monkeypatch.setattr(sensitivity, "REPLAY_BYTES", 0)
+    whole, ran_whole = choose()
+    assert (fed_back.taken, dict(fed_back.split), fed_back.costs, fed_back.together) == (
+        whole.taken, dict(whole.split), whole.costs, whole.together)
+    # Each scoring of a later block's layer stops at the second pass, then runs whole: more runs, never fewer.
+    assert all(mine >= theirs for mine, theirs in zip(ran, ran_whole, strict=True)) and ran != ran_whole
+    assert not any("forward" in vars(block) for block in model.blocks)
 
 
 def ladder(model, memory=None):
