@@ -13,7 +13,7 @@ halving). Seconds for MiniLM, where building and judging a real int8 model takes
 nothing before it: where the model runs its layers as a list of blocks (a transformer's encoder layers), the blocks
 before the one holding it give back what they gave on the same batches with none of the candidates simulated (recorded
 once), so only the rest runs. The same answers to the bit, a third less time (MiniLM's int8 archive on CPU A: 29-32 ->
-21-22 s). The real int8 model is then judged by the gate as always; if it fails, the ladder builds int8 again with the
+21-24 s). The real int8 model is then judged by the gate as always; if it fails, the ladder builds int8 again with the
 rule's float layers (``handlers.ladder``).
 
 Pure torch + torchao (imported only when int8 is built).
