@@ -18,6 +18,17 @@ from handlers.tasks.embeddings import CosineGate
 pytestmark = pytest.mark.torchao
 
 
+def widening_then_narrowing(outliers: int) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    """An FFN's two linears, 16 -> 64 -> 16: the first ``outliers`` hidden channels 500 times the rest, ignored by
+    the narrowing layer."""
+    up, down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+    with torch.no_grad():
+        up.weight[:outliers] *= 500
+        up.bias[:outliers] = 500
+        down.weight[:, :outliers] = 0
+    return up, down
+
+
 class Branches(torch.nn.Module):
     """Three FFN-like branches, each widening then narrowing (the rule keeps the narrowing layers in float). In
     two, some hidden channels are 500 times the rest and the narrowing layer ignores them: one uint8 scale per
@@ -28,11 +39,7 @@ class Branches(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         for branch, outliers in (("even", 0), ("one", 1), ("many", 16)):
-            up, down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
-            with torch.no_grad():
-                up.weight[:outliers] *= 500
-                up.bias[:outliers] = 500
-                down.weight[:, :outliers] = 0
+            up, down = widening_then_narrowing(outliers)
             setattr(self, f"up_{branch}", up)
             setattr(self, f"down_{branch}", down)
 
@@ -117,11 +124,7 @@ class Stack(torch.nn.Module):
         torch.manual_seed(0)
         self.blocks = torch.nn.ModuleList()
         for outliers in (0, 1, 0):
-            up, down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
-            with torch.no_grad():
-                up.weight[:outliers] *= 500
-                up.bias[:outliers] = 500
-                down.weight[:, :outliers] = 0
+            up, down = widening_then_narrowing(outliers)
             self.blocks.append(torch.nn.Sequential(up, torch.nn.GELU(), down))
         self.ran = [0, 0, 0]
         for index, block in enumerate(self.blocks):
