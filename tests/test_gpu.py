@@ -1,7 +1,12 @@
-"""The CUDA-graph path, on a GPU worker: `mode: reduce-overhead` with static buckets, every bucket warmed,
-outputs cloned before the next replay. Run on a GPU machine (with a CUDA build of torch) as:
+"""On a GPU worker: the CUDA-graph path (`mode: reduce-overhead` with static buckets, every bucket warmed, outputs
+cloned before the next replay), each shipped model YAML compiled and answering as fp32 eager does on the CPU, and
+int8 left out, visibly. Run on a GPU machine (with a CUDA build of torch) as:
 
     pytest -m gpu
+
+Last run 2026-11-27 on an NVIDIA H100 (torch 2.11.0+cu130, transformers 5.24.0): 9 passed in 270 s. Its first
+run found the token-classification pipeline moving a CPU worker's model to the GPU (fixed; a CPU-side test of it is
+in tests/test_token_classification.py).
 
 Deselected (not skipped) where there is no CUDA device: see tests/conftest.py.
 """
@@ -13,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from handlers.config import CompileSpec, DType, load_config
 from handlers.engine import Engine
@@ -23,6 +29,7 @@ from handlers.tasks.embeddings import CosineGate
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda", 0)
+REPO = Path(__file__).resolve().parent.parent
 GRAPHS = {"pt2": {"compile": {"enable": True, "backend": "inductor", "mode": "reduce-overhead"}},
           "pt2_handlers": {"ladder": ["compile", "eager"], "shapes": {"policy": "buckets", "batch_sizes": [1, 2],
                                                                        "seq_lengths": [8, 16], "after_ready": "fail"}}}
@@ -40,9 +47,15 @@ def gpu_engine(tiny_bert_dir):
 def test_cuda_graphs_are_accepted_on_every_bucket(gpu_engine):
     optimization = gpu_engine.describe()["optimization"]
     assert optimization["active"] == "compile" and optimization["notes"] == []
-    assert optimization["dtype"] in ("bfloat16", "float16")
     (accepted,) = [a for a in optimization["attempts"] if a["status"] == "accepted"]
     assert accepted["dtype"] == optimization["dtype"] and accepted["quality"]["value"] >= 0.999
+    if optimization["dtype"] == "float32":
+        # auto's half precision serves only where it passes the gate and is faster than fp32: on an H100 this
+        # 32-wide BERT's forward is bound by kernel launches, and its half-precision screen was no faster
+        half = [a for a in optimization["attempts"] if a["dtype"] in ("bfloat16", "float16")]
+        assert half and all(a["status"] in ("slower", "failed") for a in half), optimization["attempts"]
+    else:
+        assert optimization["dtype"] in ("bfloat16", "float16"), optimization
 
 
 def test_a_replay_never_overwrites_an_earlier_answer(gpu_engine):
@@ -80,3 +93,83 @@ def test_compile_rung_marks_steps_and_clones_on_cuda():
         result.forward(x=torch.randn(2, 8, device=CUDA))  # a replay that would reuse first's buffer
         torch.testing.assert_close(first, kept)
         torch.testing.assert_close(first, module(**batches[0]))
+
+
+# Each shipped model YAML, as a user deploys it, on a GPU worker: (model of scripts/make_test_models.py, or None for
+# MiniLM itself; the YAML; request bodies). Answers are compared with fp32 eager on the CPU.
+SHIPPED = {
+    "embeddings": (None, "minilm-embeddings.yaml",
+                   [{"inputs": ["TorchServe with torch.compile", "a GPU worker", "x " * 200]}, {"text": "alone"}]),
+    "text-classification": ("minilm-sentiment", "minilm-text-classification.yaml",
+                            ["what a lovely day", {"inputs": ["terrible service", "it was fine"]}]),
+    "token-classification": ("minilm-ner", "minilm-token-classification.yaml",
+                             [{"text": "Angela Merkel visited Paris with Tim Cook.", "aggregation_strategy": "simple"},
+                              "Serving models in Berlin and New York. " * 20]),
+    "question-answering": ("minilm-qa", "minilm-question-answering.yaml",
+                           [{"question": "Where is the tower?", "context": "The tower stands in Paris since 1889.",
+                             "top_k": 2}]),
+    "text-generation": ("tiny-llama", "tiny-llama-generation.yaml",
+                        [{"text": "The weather in Paris is", "max_new_tokens": 20},
+                         {"text": "Hi", "max_new_tokens": 5}]),
+}
+SCORE_TOLERANCE = 0.02  # bf16 against fp32 on another device: labels, spans and tokens must be equal
+
+
+def shipped_engine(task: str, model_dir: Path, device: torch.device, eager: bool = False) -> Engine:
+    raw = yaml.safe_load((REPO / "model_configs" / SHIPPED[task][1]).read_text())
+    raw["pt2_handlers"]["model_dir"] = str(model_dir)
+    if eager:
+        raw["pt2"] = {"compile": {"enable": False}}
+        raw["pt2_handlers"].update(ladder=["eager"], dtype="float32")
+    engine = Engine(load_config(raw), Path("/"), device, task)
+    engine.load()
+    return engine
+
+
+def assert_same_answer(got, want, where: str = "answer") -> None:
+    """Equal, but for floats (scores, embedding values) within SCORE_TOLERANCE."""
+    if isinstance(want, float):
+        assert abs(got - want) <= SCORE_TOLERANCE, f"{where}: {got} vs {want}"
+    elif isinstance(want, dict):
+        assert sorted(got) == sorted(want), f"{where}: keys {sorted(got)} vs {sorted(want)}"
+        for key in want:
+            assert_same_answer(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), f"{where}: {len(got)} items vs {len(want)}"
+        for index, (one, other) in enumerate(zip(got, want, strict=True)):
+            assert_same_answer(one, other, f"{where}[{index}]")
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
+
+
+@pytest.mark.parametrize("task", SHIPPED)
+def test_each_shipped_yaml_compiles_on_a_gpu_and_answers_as_fp32_eager_on_the_cpu(task, minilm_dir, task_model_dirs):
+    model, _, bodies = SHIPPED[task]
+    model_dir = minilm_dir if model is None else task_model_dirs[model]
+    torch._dynamo.reset()
+    gpu = shipped_engine(task, model_dir, CUDA)
+    optimization = gpu.describe()["optimization"]
+    print(task, "on", optimization["device"], "torch", optimization["torch"], "served", optimization["active"],
+          optimization["dtype"], "|",
+          "; ".join(f"{a['rung']}{' screen' if a['screen'] else ''} {a['dtype']} {a['status']} {a['seconds']:.1f}s"
+                    for a in optimization["attempts"]))
+    assert (optimization["active"], optimization["device"]) == ("compile", str(CUDA)), optimization["attempts"]
+    assert optimization["dtype"] in ("bfloat16", "float16", "float32"), optimization
+    got = gpu.predict(bodies)
+    want = shipped_engine(task, model_dir, torch.device("cpu"), eager=True).predict(bodies)
+    assert_same_answer(got, want)
+    runtime = gpu.describe()["optimization"]["runtime"]
+    assert (runtime["runtime_failures"], runtime["compiles_after_ready"]) == (0, 0), runtime
+
+
+def test_int8_asked_of_a_gpu_worker_is_left_out_and_said_so(minilm_dir):
+    torch._dynamo.reset()
+    engine = shipped_engine("embeddings", minilm_dir, CUDA)
+    raw = yaml.safe_load((REPO / "model_configs" / "minilm-embeddings-int8.yaml").read_text())
+    raw["pt2_handlers"]["model_dir"] = str(minilm_dir)
+    int8 = Engine(load_config(raw), Path("/"), CUDA, "int8-on-gpu")
+    int8.load()
+    optimization = int8.describe()["optimization"]
+    assert "less int8: int8 is CPU-only here" in optimization["dtype_reason"], optimization["dtype_reason"]
+    assert "int8" not in {attempt["dtype"] for attempt in optimization["attempts"]}
+    assert optimization["active"] == "compile" and optimization["dtype"] == engine.describe()["optimization"]["dtype"]

@@ -107,3 +107,16 @@ def test_bad_input_is_refused_and_its_neighbours_answered(ner, body, message):
     good, bad = engine.predict([TEXTS[0], body])
     assert isinstance(bad, InvalidInput) and bad.status == 400 and message in bad.message, bad
     assert_same_entities(good, pipe(TEXTS[0]))
+
+
+def test_a_cpu_worker_on_a_machine_with_a_gpu_keeps_its_model_on_the_cpu(task_model_dirs, monkeypatch):
+    """transformers' pipeline moves the model to the first GPU it sees unless told its device: on a GPU machine a
+    CPU worker's model went to cuda:0 and its load failed (found on an H100, tests/test_gpu.py). The GPU cannot exist
+    here, so transformers is told there is one: the pipeline must not try to move the model to it."""
+    import transformers.pipelines.base
+
+    monkeypatch.setattr(transformers.pipelines.base, "is_torch_cuda_available", lambda: True)
+    engine = eager_engine(task_model_dirs["minilm-ner"])
+    assert engine._task._pipeline.device == torch.device("cpu")
+    (entities,) = engine.predict([{"text": TEXTS[0], "ignore_labels": []}])
+    assert entities and all(entity["entity"] for entity in entities)

@@ -60,8 +60,10 @@ class TokenClassificationTask(ScoredTask):
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         if not self.tokenizer.is_fast:
             raise ModelLoadError("token-classification needs a fast tokenizer (tokenizer.json) for character offsets")
-        # The pipeline object only lends its postprocess (entity grouping); it never runs the model.
-        self._pipeline = transformers.TokenClassificationPipeline(model=model, tokenizer=self.tokenizer)
+        # The pipeline object only lends its postprocess (entity grouping); it never runs the model. Its device is
+        # the model's: left unset, transformers moves the model to the first GPU it finds, under a CPU worker too.
+        self._pipeline = transformers.TokenClassificationPipeline(model=model, tokenizer=self.tokenizer,
+                                                                  device=model.device)
         return TokenLogits(model).eval()
 
     def parse(self, body: Any) -> TokenRequest:
