@@ -56,7 +56,7 @@ _CONTENDED = 8  # written: when workers last held batches at once (time.monotoni
 _CONTENDED_FORMAT = struct.Struct("<dB")
 _FIRST_SLOT = 24
 _SLOT_BYTES = 5  # per slot, at these offsets:
-_OWNED = 0  # locked for the life of the process in the slot
+_OWNED = 0  # locked for the life of the process in the slot; written _CLAIMED once a process has claimed it
 _BATCH = 1  # locked while it holds a batch
 _FORWARD = 2  # locked while it runs a forward
 _THREADS = 3  # written: the threads of that forward
@@ -70,7 +70,8 @@ _LOAD_LOOK_SECONDS = 0.25  # between looks while a sibling loads: a load takes s
 _BUSY_LOOK_S = 0.25  # how long a worker that loads beside serving ones looks for their batches (a busy one has
 # one every few ms; a quarter second of a load of tens, paid beside idle ones only)
 _BUSY_LOOK_EVERY_S = 0.005
-_LAYOUT = 4  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
+_CLAIMED = b"\x01"  # a slot never claimed reads 0: the others skip its locks (3 syscalls each, per forward)
+_LAYOUT = 5  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,7 @@ class CoreShare:
     def _serving_others(self) -> int:
         if self.slot is None:
             return 0
-        return sum(self._is_locked(self._offset(_SERVING, slot)) for slot in range(SLOTS)
-                   if slot != self.slot and self._is_locked(self._offset(_OWNED, slot)))
+        return sum(self._is_locked(self._offset(_SERVING, slot)) for slot in self._other_slots(self._slot_bytes()))
 
     def _take_load(self, model: str) -> bool:
         with self._lock:
@@ -249,19 +249,30 @@ class CoreShare:
 
     def _others(self) -> tuple[int, int]:
         """Other workers holding a batch, and the threads of the others' running forwards."""
-        counts = os.pread(self._fd, SLOTS * _SLOT_BYTES, _FIRST_SLOT)
+        counts = self._slot_bytes()
         holding = running = 0
-        for slot in range(SLOTS):
-            if slot == self.slot or not self._is_locked(self._offset(_OWNED, slot)):
-                continue
+        for slot in self._other_slots(counts):
             holding += self._is_locked(self._offset(_BATCH, slot))
             if self._is_locked(self._offset(_FORWARD, slot)):
                 running += counts[slot * _SLOT_BYTES + _THREADS] or 1
         return holding, running
 
+    def _slot_bytes(self) -> bytes:
+        return os.pread(self._fd, SLOTS * _SLOT_BYTES, _FIRST_SLOT)
+
+    def _other_slots(self, slot_bytes: bytes) -> Iterator[int]:
+        """The slots another live process owns. A slot is marked claimed before its owner takes any batch, so one
+        never marked is skipped unlocked; a mark outlives its process (a killed one cannot clear it), so a marked slot
+        is owned only while its byte is locked."""
+        for slot in range(SLOTS):
+            if (slot != self.slot and slot_bytes[slot * _SLOT_BYTES + _OWNED]
+                    and self._is_locked(self._offset(_OWNED, slot))):
+                yield slot
+
     def _claim_slot(self) -> int | None:
         for slot in range(SLOTS):
             if self._try_lock(self._offset(_OWNED, slot)):
+                os.pwrite(self._fd, _CLAIMED, _FIRST_SLOT + slot * _SLOT_BYTES + _OWNED)
                 return slot
         return None
 
