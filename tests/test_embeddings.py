@@ -106,14 +106,14 @@ def test_a_bug_reading_one_request_fails_that_request_alone(engine, monkeypatch)
     """Whatever breaks in parse or preprocess for one body (here: a tokenizer that chokes on one word) is a
     500 for that body; its neighbours in the batch are answered."""
     task = engine._task
-    tokenize = task.tokenize
+    encode = task.encode
 
-    def choke(texts, **kwargs):
+    def choke(texts):
         if any("choke" in text for text in texts):
             raise TypeError("the tokenizer choked")
-        return tokenize(texts, **kwargs)
+        return encode(texts)
 
-    monkeypatch.setattr(task, "tokenize", choke)
+    monkeypatch.setattr(task, "encode", choke)
     good, bad, also_good = engine.predict(["fine", "please choke", {"inputs": ["also", "fine"]}])
     assert len(good["embedding"]) == len(also_good["embeddings"][1]) == 32
     assert isinstance(bad, InferenceError) and bad.status == 500

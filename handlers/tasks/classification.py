@@ -89,7 +89,7 @@ class TextClassificationTask(ScoredTask):
         return value
 
     def preprocess(self, requests: Sequence[ClassificationRequest]) -> Encoded:
-        return Encoded(self.tokenize([text for request in requests for text in request.texts], padding=True))
+        return Encoded(self.encode([text for request in requests for text in request.texts]))
 
     def postprocess(self, outputs: torch.Tensor, encoded: Encoded,
                     requests: Sequence[ClassificationRequest]) -> list[Any]:

@@ -113,7 +113,7 @@ class EmbeddingsTask(Task):
         return open_inference.to_tensors(self.open_inference_output, answer["embeddings"])  # FP32 [n, dim]
 
     def preprocess(self, requests: Sequence[EmbeddingRequest]) -> Encoded:
-        return Encoded(self.tokenize([text for request in requests for text in request.texts], padding=True))
+        return Encoded(self.encode([text for request in requests for text in request.texts]))
 
     def postprocess(
         self, outputs: torch.Tensor, encoded: Encoded, requests: Sequence[EmbeddingRequest]

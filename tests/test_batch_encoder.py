@@ -1,0 +1,74 @@
+"""handlers.tasks.batch_encoder: the serving path's tokenizing through the Rust backend gives exactly what
+transformers' ``tokenizer(texts, truncation=True, max_length=..., padding=True)`` gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import transformers
+
+from handlers.tasks.batch_encoder import BatchEncoder
+from tests.test_embeddings import make_engine
+
+TEXTS = [
+    "the quick brown fox",
+    "Naïve café owners in 東京 and São Paulo — ünïcödé everywhere, emoji 🚀",
+    "[CLS] special [SEP] tokens <s> </s> [PAD] [UNK] written as text",
+    "  spaced\tout\n  ",
+    "Serving models in production with TorchServe in Berlin and New York. " * 40,  # past every max_length below
+    "a",
+]
+
+
+def transformers_encoding(tokenizer, texts: list[str], max_length: int) -> dict[str, np.ndarray]:
+    encoded = tokenizer(texts, truncation=True, max_length=max_length, padding=True, return_tensors="np")
+    return {name: encoded[name] for name in tokenizer.model_input_names if name in encoded}
+
+
+@pytest.fixture(scope="module", params=["minilm", "tiny-llama"])
+def tokenizer(request, minilm_dir, task_model_dirs):
+    """A WordPiece tokenizer with token types (MiniLM's) and a byte-level BPE one (tiny-llama's)."""
+    path = minilm_dir if request.param == "minilm" else task_model_dirs["tiny-llama"]
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("max_length", [8, 64, 256])
+def test_every_batch_is_encoded_as_transformers_encodes_it(tokenizer, max_length):
+    encoder = BatchEncoder.of(tokenizer, max_length)
+    assert encoder is not None
+    batches = [TEXTS, TEXTS[:1], TEXTS[4:], [TEXTS[1], TEXTS[5], TEXTS[0]]]
+    for texts in batches:
+        want = transformers_encoding(tokenizer, texts, max_length)
+        got = encoder(texts)
+        assert list(got) == list(want)
+        for name, array in want.items():
+            assert got[name].numpy().dtype == np.int64 and np.array_equal(got[name].numpy(), array), (name, texts)
+
+
+def test_transformers_calls_between_leave_the_encoder_as_it_was(tokenizer):
+    """transformers reconfigures its tokenizer's backend on each call (here: no truncation, no padding, as the
+    length check before a 400 does); the encoder has its own copy."""
+    encoder = BatchEncoder.of(tokenizer, 16)
+    lengths = tokenizer(TEXTS, return_length=True)["length"]
+    assert max(lengths) > 16
+    want = transformers_encoding(tokenizer, TEXTS, 16)
+    tokenizer(TEXTS, return_length=True)
+    got = encoder(TEXTS)
+    assert all(np.array_equal(got[name].numpy(), want[name]) for name in want)
+
+
+def test_a_tokenizer_without_a_padding_token_keeps_transformers_path(task_model_dirs):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(task_model_dirs["tiny-llama"])
+    tokenizer.pad_token = None
+    assert BatchEncoder.of(tokenizer, 64) is None
+
+
+def test_an_embeddings_request_is_answered_through_the_encoder(tiny_bert_dir):
+    engine = make_engine(tiny_bert_dir)
+    engine.load()
+    assert engine._task._encoder is not None
+    calls = []
+    encoder = engine._task._encoder
+    engine._task._encoder = lambda texts: calls.append(texts) or encoder(texts)
+    (answer,) = engine.predict([{"inputs": ["alpha beta", "gamma"]}])
+    assert calls == [["alpha beta", "gamma"]] and len(answer["embeddings"]) == 2
