@@ -272,7 +272,12 @@ class CoreShare:
     def _claim_slot(self) -> int | None:
         for slot in range(SLOTS):
             if self._try_lock(self._offset(_OWNED, slot)):
-                os.pwrite(self._fd, _CLAIMED, _FIRST_SLOT + slot * _SLOT_BYTES + _OWNED)
+                offset = _FIRST_SLOT + slot * _SLOT_BYTES + _OWNED
+                try:
+                    os.pwrite(self._fd, _CLAIMED, offset)
+                except OSError:  # unmarked, the others would not see it: run as alone instead (a full temp dir)
+                    fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
+                    return None
                 return slot
         return None
 

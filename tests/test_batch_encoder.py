@@ -45,6 +45,28 @@ def test_every_batch_is_encoded_as_transformers_encodes_it(tokenizer, max_length
             assert got[name].numpy().dtype == np.int64 and np.array_equal(got[name].numpy(), array), (name, texts)
 
 
+@pytest.mark.parametrize("setting", [{"padding_side": "left"}, {"truncation_side": "left"},
+                                     {"split_special_tokens": True}])
+def test_the_tokenizers_own_settings_are_followed(minilm_dir, task_model_dirs, setting):
+    for path in (minilm_dir, task_model_dirs["tiny-llama"]):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, **setting)
+        assert all(getattr(tokenizer, name) == value for name, value in setting.items())
+        encoder = BatchEncoder.of(tokenizer, 8)
+        for texts in (TEXTS, TEXTS[2:3]):
+            want = transformers_encoding(tokenizer, texts, 8)
+            got = encoder(texts)
+            assert all(np.array_equal(got[name].numpy(), want[name]) for name in want), (path.name, setting, texts)
+
+
+def test_a_tokenizer_class_that_changes_the_call_keeps_transformers_path(minilm_dir):
+    class Infilling(transformers.BertTokenizer):
+        def _encode_plus(self, *args, **kwargs):
+            return super()._encode_plus(*args, **kwargs)
+
+    assert BatchEncoder.of(Infilling.from_pretrained(minilm_dir), 64) is None
+    assert BatchEncoder.of(transformers.BertTokenizer.from_pretrained(minilm_dir), 64) is not None
+
+
 def test_transformers_calls_between_leave_the_encoder_as_it_was(tokenizer):
     """transformers reconfigures its tokenizer's backend on each call (here: no truncation, no padding, as the
     length check before a 400 does); the encoder has its own copy."""

@@ -53,7 +53,9 @@ def test_cuda_graphs_are_accepted_on_every_bucket(gpu_engine):
         # auto's half precision serves only where it passes the gate and is faster than fp32: on an H100 this
         # 32-wide BERT's forward is bound by kernel launches, and its half-precision screen was no faster
         half = [a for a in optimization["attempts"] if a["dtype"] in ("bfloat16", "float16")]
-        assert half and all(a["status"] in ("slower", "failed") for a in half), optimization["attempts"]
+        assert half and all(a["status"] == "slower" or (a["status"] == "failed" and a["quality"] is not None
+                                                         and a["quality"]["value"] < a["quality"]["threshold"])
+                            for a in half), optimization["attempts"]  # slower, or its answers off: never a crash
     else:
         assert optimization["dtype"] in ("bfloat16", "float16"), optimization
 

@@ -63,6 +63,7 @@ class Task(ABC):
     # One output row per text, with no sequence axis, that the rows beside it do not change: the engine may then run
     # a batch's rows in groups of similar length (handlers.length_groups).
     row_outputs: ClassVar[bool] = False
+    encodes_texts: ClassVar[bool] = False  # preprocess tokenizes a batch of plain texts through encode()
 
     @classmethod
     def facts(cls) -> TaskFacts:
@@ -81,7 +82,8 @@ class Task(ABC):
         self.max_inputs = max_inputs
         self.model_name = model_name
         self.too_long = too_long or self.default_too_long
-        self._encoder = BatchEncoder.of(tokenizer, max_length)  # ~20 ms at load (a copy of the Rust tokenizer)
+        # ~20 ms at load (a copy of the Rust tokenizer), for the tasks whose serving path calls encode()
+        self._encoder = BatchEncoder.of(tokenizer, max_length) if self.encodes_texts else None
 
     @abstractmethod
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -18,6 +18,10 @@ import torch
 
 # Model input -> the backend Encoding's attribute that transformers reads for it.
 _FIELDS = {"input_ids": "ids", "token_type_ids": "type_ids", "attention_mask": "attention_mask"}
+# What transformers runs for ``tokenizer(texts, ...)``: a tokenizer class that overrides any of them (CodeLlama's
+# infilling, the translation tokenizers' input mode, LUKE's entities) does more than its backend, and keeps that path.
+_CALL_PATH = ("__call__", "_get_padding_truncation_strategies", "_switch_to_input_mode", "set_truncation_and_padding",
+              "_encode_plus", "_convert_encoding")
 
 
 class BatchEncoder:
@@ -31,14 +35,21 @@ class BatchEncoder:
     @classmethod
     def of(cls, tokenizer: Any, max_length: int) -> BatchEncoder | None:
         """The encoder for ``tokenizer``; None where transformers' call does more than the backend would (a slow
-        tokenizer, no padding token, an input other than ids, token types and attention mask)."""
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        names = list(getattr(tokenizer, "model_input_names", ()))
-        if backend is None or getattr(tokenizer, "pad_token_id", None) is None:
+        tokenizer, one whose class changes the call, no padding token, an input other than ids, token types and
+        attention mask) or where the backend cannot be copied (a custom Python pre-tokenizer)."""
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        own_call = [name for name in _CALL_PATH
+                    if getattr(type(tokenizer), name, None) is not getattr(TokenizersBackend, name, None)]
+        if not isinstance(tokenizer, TokenizersBackend) or own_call:
             return None
-        if not names or not set(names) <= set(_FIELDS):
+        names = list(tokenizer.model_input_names)
+        if tokenizer.pad_token_id is None or tokenizer.pad_token_id < 0 or not names or not set(names) <= set(_FIELDS):
             return None
-        own = copy.deepcopy(backend)  # the tokenizer's own backend is reconfigured by each call of transformers'
+        try:  # the tokenizer's own backend is reconfigured by each call of transformers': a copy of our own
+            own = copy.deepcopy(tokenizer.backend_tokenizer)
+        except Exception:  # noqa: BLE001 - e.g. "Custom PreTokenizer cannot be serialized": transformers' path then
+            return None
         own.enable_truncation(max_length=max_length, stride=0, strategy="longest_first",
                               direction=tokenizer.truncation_side)
         own.enable_padding(direction=tokenizer.padding_side, pad_id=tokenizer.pad_token_id,

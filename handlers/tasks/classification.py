@@ -51,6 +51,7 @@ class TextClassificationTask(ScoredTask):
     name = "text-classification"
     open_inference_output = "labels"
     row_outputs = True  # one score row per text
+    encodes_texts = True
     model_class = transformers.AutoModelForSequenceClassification
     outputs_are_scores = True  # the module applies the pipeline's softmax / sigmoid itself
 

@@ -75,6 +75,7 @@ class EmbeddingsTask(Task):
     name = "embeddings"
     open_inference_output = "embedding"
     row_outputs = True  # one pooled vector per text
+    encodes_texts = True
     model_class = transformers.AutoModel
     default_too_long = TooLong.TRUNCATE  # as sentence-transformers encodes
 
