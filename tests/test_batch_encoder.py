@@ -67,6 +67,21 @@ def test_a_tokenizer_class_that_changes_the_call_keeps_transformers_path(minilm_
     assert BatchEncoder.of(transformers.BertTokenizer.from_pretrained(minilm_dir), 64) is not None
 
 
+def test_the_first_text_past_max_length_is_the_one_transformers_counts_past_it(tokenizer):
+    """``first_too_long`` stands in for transformers' lengths in the too_long: reject check: texts of max_length - 1,
+    max_length and max_length + 1 tokens, special tokens included."""
+    max_length = 16
+    encoder = BatchEncoder.of(tokenizer, max_length)
+    by_length = {}
+    for count in range(1, 40):
+        for text in ("a " * count, "serving " + "a " * count):
+            by_length.setdefault(len(tokenizer(text)["input_ids"]), text)
+    fits, full, over = by_length[max_length - 1], by_length[max_length], by_length[max_length + 1]
+    assert encoder.first_too_long([fits, full]) is None
+    assert encoder.first_too_long([fits, over, full, over]) == 1
+    assert encoder.first_too_long([over]) == 0
+
+
 def test_transformers_calls_between_leave_the_encoder_as_it_was(tokenizer):
     """transformers reconfigures its tokenizer's backend on each call (here: no truncation, no padding, as the
     length check before a 400 does); the encoder has its own copy."""

@@ -147,8 +147,14 @@ class Task(ABC):
     def check_lengths(self, texts: Sequence[str], where: str) -> None:
         """InvalidInput for the first text with more than ``max_length`` tokens (special tokens included);
         ``where`` may hold ``{}`` for the text's index."""
-        lengths = self.tokenizer(list(texts), add_special_tokens=True, return_length=True)["length"]
-        for index, length in enumerate(lengths):
+        indexes: Sequence[int] = range(len(texts))
+        if self._encoder is not None:  # the Rust tokenizer finds the first over-long text; transformers counts it
+            first = self._encoder.first_too_long(texts)
+            if first is None:
+                return
+            indexes = [first]
+        lengths = self.tokenizer([texts[i] for i in indexes], add_special_tokens=True, return_length=True)["length"]
+        for index, length in zip(indexes, lengths, strict=True):
             if length > self.max_length:
                 raise InvalidInput(
                     f"{where.format(index)} is {length} tokens long; this model reads at most {self.max_length}. "

@@ -57,6 +57,12 @@ class BatchEncoder:
         own.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
         return cls(own, names)
 
+    def first_too_long(self, texts: Sequence[str]) -> int | None:
+        """The index of the first text longer than ``max_length`` tokens (special tokens included): the first one
+        the backend had to truncate. None when every text fits."""
+        encodings = self._backend.encode_batch(list(texts), add_special_tokens=True)
+        return next((index for index, encoding in enumerate(encodings) if encoding.overflowing), None)
+
     def __call__(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         encodings = self._backend.encode_batch(list(texts), add_special_tokens=True)
         return {name: torch.from_numpy(np.array([getattr(encoding, field) for encoding in encodings], dtype=np.int64))
