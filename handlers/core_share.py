@@ -271,8 +271,8 @@ class CoreShare:
 
     def _claim_slot(self) -> int | None:
         for slot in range(SLOTS):
-            if self._try_lock(self._offset(_OWNED, slot)):
-                offset = _FIRST_SLOT + slot * _SLOT_BYTES + _OWNED
+            offset = self._offset(_OWNED, slot)
+            if self._try_lock(offset):
                 try:
                     os.pwrite(self._fd, _CLAIMED, offset)
                 except OSError:  # unmarked, the others would not see it: run as alone instead (a full temp dir)
