@@ -139,19 +139,19 @@ def test_a_short_soak_serves_every_good_request_and_does_not_grow(production, mo
 
 
 def worker(server) -> dict:
-    (only,) = describe(server)["workers"]
+    (only,) = describe(server, customized=False)["workers"]
     return only
 
 
 def wait_for_new_ready_worker(server, old_pid: int, timeout: float = 600) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        workers = describe(server)["workers"]
+        workers = describe(server, customized=False)["workers"]
         ready = [w for w in workers if w["status"] == "READY" and w["pid"] != old_pid]
         if ready:
             return ready[0]
         time.sleep(0.5)
-    raise TimeoutError(f"no new READY worker after {timeout}s: {describe(server)['workers']}")
+    raise TimeoutError(f"no new READY worker after {timeout}s: {describe(server, customized=False)['workers']}")
 
 
 def test_a_worker_killed_mid_traffic_comes_back_and_no_answer_is_wrong(production, reference):
@@ -172,15 +172,17 @@ def test_a_worker_killed_mid_traffic_comes_back_and_no_answer_is_wrong(productio
     threads = [threading.Thread(target=trickle, args=(client,)) for client in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(2)
-    killed_at = time.monotonic()
-    os.kill(before["pid"], signal.SIGKILL)
-    after = wait_for_new_ready_worker(production, before["pid"])
-    ready_at = time.monotonic()
-    time.sleep(2)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=120)
+    try:
+        time.sleep(2)
+        killed_at = time.monotonic()
+        os.kill(before["pid"], signal.SIGKILL)
+        after = wait_for_new_ready_worker(production, before["pid"])
+        ready_at = time.monotonic()
+        time.sleep(2)
+    finally:  # a failure here must not leave clients sending into the tests that follow
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
     ok = [(t, i, a) for t, i, s, a in results if s == 200]
     failed = [(s, a) for _, _, s, a in results if s != 200]
     print(f"killed pid {before['pid']}; new worker {after['pid']} READY {ready_at - killed_at:.1f}s later; "
@@ -200,18 +202,18 @@ def test_a_worker_killed_during_its_warmup_comes_back_ready(production, referenc
     assert status == 202, body
     deadline = time.monotonic() + 120
     while True:
-        loading = [w for w in describe(production)["workers"] if w["pid"] not in (first["pid"], -1)
+        loading = [w for w in describe(production, customized=False)["workers"] if w["pid"] not in (first["pid"], -1)
                    and w["status"] != "READY" and w["pid"]]
         if loading:
             break
-        assert time.monotonic() < deadline, describe(production)["workers"]
+        assert time.monotonic() < deadline, describe(production, customized=False)["workers"]
         time.sleep(0.2)
     time.sleep(3)  # inside the import and the ladder (a warm load takes ~10 s here)
-    (victim,) = [w for w in describe(production)["workers"] if w["pid"] == loading[0]["pid"]]
+    (victim,) = [w for w in describe(production, customized=False)["workers"] if w["pid"] == loading[0]["pid"]]
     assert victim["status"] != "READY", victim
     os.kill(victim["pid"], signal.SIGKILL)
     tsctl.wait_ready(production, "minilm", timeout=600, count=2)
-    workers = describe(production)["workers"]
+    workers = describe(production, customized=False)["workers"]
     assert victim["pid"] not in [w["pid"] for w in workers] and first["pid"] in [w["pid"] for w in workers]
     want = reference(TEXTS)
     for index, text in enumerate(TEXTS):
