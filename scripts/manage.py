@@ -29,13 +29,15 @@ import tsctl  # noqa: E402
 
 
 class ManagementError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def call(server: tsctl.Server, method: str, path: str, timeout: float = 120) -> Any:
     status, body = server.management(method, path, timeout=timeout)
     if status >= 400:
-        raise ManagementError(f"{method} {path}: {status} {body.decode(errors='replace').strip()}")
+        raise ManagementError(f"{method} {path}: {status} {body.decode(errors='replace').strip()}", status)
     return json.loads(body) if body.strip() else None
 
 
@@ -96,7 +98,20 @@ def ready(server: tsctl.Server, name: str) -> str:
 
 
 def describe(server: tsctl.Server, name: str) -> list[dict[str, Any]]:
-    return call(server, "GET", f"/models/{quote(name)}?customized=true")
+    """TorchServe's describe with our metadata, which only a worker can give (``customized=true``). Asked only while
+    a worker is READY, and the plain describe kept if the worker asked dies meanwhile: TorchServe holds the question
+    for a loading worker (a cold load takes minutes) and answers 507 for one that died, as in a restart."""
+    plain = call(server, "GET", f"/models/{quote(name)}")
+    if not any(worker.get("status") == "READY" for entry in plain for worker in entry.get("workers", [])):
+        return plain
+    try:
+        return call(server, "GET", f"/models/{quote(name)}?customized=true")
+    except ManagementError as exc:
+        if exc.status is None or exc.status < 500:
+            raise
+        print(f"the worker asked for the ladder's metadata did not answer ({exc}); workers as TorchServe lists them:",
+              file=sys.stderr)
+        return plain
 
 
 def format_description(entries: list[dict[str, Any]]) -> str:
@@ -122,7 +137,8 @@ def format_description(entries: list[dict[str, Any]]) -> str:
 
 def _optimization_lines(optimization: dict[str, Any]) -> list[str]:
     if not optimization:
-        return ["  (no pt2-handlers metadata: not a pt2-handlers model, or no worker answered)"]
+        return ["  (no pt2-handlers metadata: no worker READY to give it -- loading or restarting -- or not a "
+                "pt2-handlers model)"]
     lines = [f"  serving: rung {optimization.get('active')} in {optimization.get('dtype')} on "
              f"{optimization.get('device')} ({optimization.get('dtype_reason')}), "
              f"{optimization.get('threads', {}).get('intra_op')} threads"]

@@ -1,6 +1,6 @@
-"""scripts/manage.py's answer to a race in TorchServe's frontend. The race itself cannot be produced on demand (it
-needs a worker to change state while the frontend edits its worker list), so a stand-in for the management API
-answers with the exact 500 TorchServe 0.12 gave: the one place here where the real server is replaced."""
+"""scripts/manage.py's answers to races in TorchServe. A race cannot be produced on demand (a worker changing state
+while the frontend edits its worker list, or dying between two calls), so a stand-in for the management API answers
+with the exact errors TorchServe 0.12 gave: the one place here where the real server is replaced."""
 
 from __future__ import annotations
 
@@ -49,3 +49,41 @@ def test_any_other_scale_error_is_not_retried():
     with pytest.raises(manage.ManagementError, match="404 .*Model not found: x"):
         manage.scale(api, "x", 1, 1, retry_pause=0)
     assert len(api.calls) == 1
+
+
+def listed(*statuses: str, customized: bool = False) -> tuple[int, bytes]:
+    entry = {"modelName": "minilm", "modelVersion": "1.0", "workers": [
+        {"id": f"900{index}", "pid": 100 + index, "status": status} for index, status in enumerate(statuses)]}
+    if customized:
+        entry["customizedMetadata"] = {"task": "embeddings", "optimization": {"active": "compile"}}
+    return 200, json.dumps([entry]).encode()
+
+
+WORKER_DIED = (507, json.dumps({"code": 507, "type": "InternalServerException", "message": "Worker died."}).encode())
+
+
+def test_describe_asks_a_ready_worker_for_the_ladder():
+    api = ManagementApi(listed("READY"), listed("READY", customized=True))
+    assert manage.describe(api, "minilm")[0]["customizedMetadata"]["optimization"]["active"] == "compile"
+    assert api.calls == [("GET", "/models/minilm"), ("GET", "/models/minilm?customized=true")]
+
+
+def test_describe_does_not_wait_for_a_loading_worker():
+    """TorchServe would hold the customized question until a worker is READY: minutes for a cold compile."""
+    api = ManagementApi(listed("UNLOADING", "STARTED"))
+    shown = manage.format_description(manage.describe(api, "minilm"))
+    assert api.calls == [("GET", "/models/minilm")]
+    assert "pid 101 STARTED" in shown and "no worker READY to give it -- loading or restarting" in shown
+
+
+def test_describe_shows_the_workers_when_the_worker_asked_dies(capsys):
+    api = ManagementApi(listed("READY"), WORKER_DIED)
+    shown = manage.format_description(manage.describe(api, "minilm"))
+    assert "pid 100 READY" in shown and "no worker READY to give it" in shown
+    assert "507" in capsys.readouterr().err
+
+
+def test_describe_of_an_unknown_model_still_fails():
+    api = ManagementApi((404, b'{"code": 404, "type": "ModelNotFoundException", "message": "Model not found: x"}'))
+    with pytest.raises(manage.ManagementError, match="404 .*Model not found: x"):
+        manage.describe(api, "x")

@@ -28,7 +28,7 @@ import hostile_inputs  # noqa: E402
 import soak  # noqa: E402
 import tsctl  # noqa: E402
 
-from tests.test_torchserve import (TEXTS, assert_close_embeddings, describe, predict,  # noqa: E402
+from tests.test_torchserve import (TEXTS, assert_close_embeddings, describe, manage, predict,  # noqa: E402
                                    stop_and_check_no_key_leaked)
 
 pytestmark = [pytest.mark.integration, pytest.mark.default_profile]
@@ -176,6 +176,10 @@ def test_a_worker_killed_mid_traffic_comes_back_and_no_answer_is_wrong(productio
         time.sleep(2)
         killed_at = time.monotonic()
         os.kill(before["pid"], signal.SIGKILL)
+        # An operator's describe meanwhile answers, whatever TorchServe's worker list says at that moment (it answers
+        # 507 where the worker it asks has died; manage() asserts the command succeeded)
+        shown = manage(production, "describe", "minilm", config=production.run_dir.parent / PRODUCTION.name)
+        assert shown.startswith("minilm 1.0"), shown
         after = wait_for_new_ready_worker(production, before["pid"])
         ready_at = time.monotonic()
         time.sleep(2)

@@ -269,10 +269,10 @@ def test_static_buckets_and_an_unusable_compile_cache(server, reference):
     assert server.management("DELETE", "/models/minilm-buckets")[0] == 200
 
 
-def manage(server, *args: str) -> str:
-    """scripts/manage.py against this server, as a user runs it."""
+def manage(server, *args: str, config: Path | None = None) -> str:
+    """scripts/manage.py against this server (started with ``config``, else this module's), as a user runs it."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "manage.py"), "--config",
-                           str(shifted_config_path(server)), "--run-dir", str(server.run_dir), *args],
+                           str(config or shifted_config_path(server)), "--run-dir", str(server.run_dir), *args],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     return done.stdout
