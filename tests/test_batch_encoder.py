@@ -45,6 +45,21 @@ def test_every_batch_is_encoded_as_transformers_encodes_it(tokenizer, max_length
             assert got[name].numpy().dtype == np.int64 and np.array_equal(got[name].numpy(), array), (name, texts)
 
 
+@pytest.mark.parametrize("max_length", [8, 256])
+def test_offsets_and_special_tokens_are_those_transformers_gives_token_classification(tokenizer, max_length):
+    """What token classification reads besides the inputs (``return_offsets_mapping``, ``return_special_tokens_mask``),
+    truncated and padded: the same arrays, so the pipeline's entity grouping sees the same spans."""
+    encoder = BatchEncoder.of(tokenizer, max_length)
+    for texts in (TEXTS, TEXTS[:1], [TEXTS[1], TEXTS[5]]):
+        want = tokenizer(texts, truncation=True, max_length=max_length, padding=True, return_offsets_mapping=True,
+                         return_special_tokens_mask=True, return_tensors="np")
+        inputs, offsets, special = encoder.with_offsets(texts)
+        assert all(np.array_equal(inputs[name].numpy(), want[name]) for name in inputs), texts
+        assert offsets.numpy().dtype == special.numpy().dtype == np.int64
+        assert np.array_equal(offsets.numpy(), want["offset_mapping"]), texts
+        assert np.array_equal(special.numpy(), want["special_tokens_mask"]), texts
+
+
 @pytest.mark.parametrize("setting", [{"padding_side": "left"}, {"truncation_side": "left"},
                                      {"split_special_tokens": True}])
 def test_the_tokenizers_own_settings_are_followed(minilm_dir, task_model_dirs, setting):

@@ -52,6 +52,7 @@ def ner(task_model_dirs):
 
 def test_every_answer_equals_the_pipeline(ner):
     engine, pipe = ner
+    assert engine._task._encoder is not None  # the serving path under test: the Rust backend (BatchEncoder)
     for text in TEXTS:
         (default,) = engine.predict([text])  # aggregation none, "O" ignored: the pipeline's defaults
         assert_same_entities(default, pipe(text))

@@ -63,7 +63,7 @@ class Task(ABC):
     # One output row per text, with no sequence axis, that the rows beside it do not change: the engine may then run
     # a batch's rows in groups of similar length (handlers.length_groups).
     row_outputs: ClassVar[bool] = False
-    encodes_texts: ClassVar[bool] = False  # preprocess tokenizes a batch of plain texts through encode()
+    encodes_texts: ClassVar[bool] = False  # preprocess tokenizes a batch of plain texts through the BatchEncoder
 
     @classmethod
     def facts(cls) -> TaskFacts:

@@ -26,7 +26,8 @@ _CALL_PATH = ("__call__", "_get_padding_truncation_strategies", "_switch_to_inpu
 
 class BatchEncoder:
     """``encoder(texts)``: ``tokenizer(texts, truncation=True, max_length=max_length, padding=True)`` as tensors of
-    the model's inputs."""
+    the model's inputs; ``with_offsets`` adds the character offsets and special-tokens mask token classification
+    reads."""
 
     def __init__(self, backend: Any, input_names: Sequence[str]):
         self._backend = backend
@@ -64,6 +65,17 @@ class BatchEncoder:
         return next((index for index, encoding in enumerate(encodings) if encoding.overflowing), None)
 
     def __call__(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        return self._inputs(self._backend.encode_batch(list(texts), add_special_tokens=True))
+
+    def with_offsets(self, texts: Sequence[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """As called, with each token's character span in its text ([rows, tokens, 2]; (0, 0) for special and padding
+        tokens) and the special-tokens mask ([rows, tokens]; 1 for special and padding tokens): what
+        ``return_offsets_mapping=True, return_special_tokens_mask=True`` add, read from the same encodings."""
         encodings = self._backend.encode_batch(list(texts), add_special_tokens=True)
+        offsets = np.array([encoding.offsets for encoding in encodings], dtype=np.int64).reshape(len(encodings), -1, 2)
+        special = np.array([encoding.special_tokens_mask for encoding in encodings], dtype=np.int64)
+        return self._inputs(encodings), torch.from_numpy(offsets), torch.from_numpy(special)
+
+    def _inputs(self, encodings: Sequence[Any]) -> dict[str, torch.Tensor]:
         return {name: torch.from_numpy(np.array([getattr(encoding, field) for encoding in encodings], dtype=np.int64))
                 for name, field in self._fields}

@@ -55,6 +55,7 @@ class TokenLogits(torch.nn.Module):
 class TokenClassificationTask(ScoredTask):
     name = "token-classification"
     open_inference_output = "entities"
+    encodes_texts = True  # through BatchEncoder.with_offsets
     model_class = transformers.AutoModelForTokenClassification
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -90,6 +91,9 @@ class TokenClassificationTask(ScoredTask):
 
     def preprocess(self, requests: Sequence[TokenRequest]) -> Encoded:
         texts = [text for request in requests for text in request.texts]
+        if self._encoder is not None:  # the Rust backend directly, as embeddings do (handlers.tasks.batch_encoder)
+            inputs, offsets, special = self._encoder.with_offsets(texts)
+            return Encoded(inputs, {"offsets": offsets, "special": special})
         encoded = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
                                  return_offsets_mapping=True, return_special_tokens_mask=True, return_tensors="pt")
         inputs = {name: encoded[name] for name in self.tokenizer.model_input_names if name in encoded}
