@@ -97,21 +97,24 @@ def ready(server: tsctl.Server, name: str) -> str:
     return summary
 
 
-def describe(server: tsctl.Server, name: str) -> list[dict[str, Any]]:
+def describe(server: tsctl.Server, name: str, worker_timeout: float = 20) -> list[dict[str, Any]]:
     """TorchServe's describe with our metadata, which only a worker can give (``customized=true``). Asked only while
-    a worker is READY, and the plain describe kept if the worker asked dies meanwhile: TorchServe holds the question
-    for a loading worker (a cold load takes minutes) and answers 507 for one that died, as in a restart."""
+    a worker is READY, for at most ``worker_timeout`` seconds: TorchServe holds the question until a worker takes it (a
+    loading one: minutes) and answers 507 for one that died meanwhile, as in a restart. Then the plain describe, the
+    workers as TorchServe lists them, with a note on stderr; any other error is raised."""
     plain = call(server, "GET", f"/models/{quote(name)}")
     if not any(worker.get("status") == "READY" for entry in plain for worker in entry.get("workers", [])):
         return plain
     try:
-        return call(server, "GET", f"/models/{quote(name)}?customized=true")
+        return call(server, "GET", f"/models/{quote(name)}?customized=true", timeout=worker_timeout)
     except ManagementError as exc:
-        if exc.status is None or exc.status < 500:
+        if exc.status != 507:
             raise
-        print(f"the worker asked for the ladder's metadata did not answer ({exc}); workers as TorchServe lists them:",
-              file=sys.stderr)
-        return plain
+        reason = f"the worker asked died meanwhile ({exc})"
+    except OSError as exc:  # the socket's timeout: no worker took the question in time
+        reason = f"no worker answered within {worker_timeout:g}s ({exc})"
+    print(f"no pt2-handlers metadata: {reason}; the workers as TorchServe lists them:", file=sys.stderr)
+    return plain
 
 
 def format_description(entries: list[dict[str, Any]]) -> str:
@@ -137,7 +140,7 @@ def format_description(entries: list[dict[str, Any]]) -> str:
 
 def _optimization_lines(optimization: dict[str, Any]) -> list[str]:
     if not optimization:
-        return ["  (no pt2-handlers metadata: no worker READY to give it -- loading or restarting -- or not a "
+        return ["  (no pt2-handlers metadata: no worker answered for it -- loading, restarting or busy -- or not a "
                 "pt2-handlers model)"]
     lines = [f"  serving: rung {optimization.get('active')} in {optimization.get('dtype')} on "
              f"{optimization.get('device')} ({optimization.get('dtype_reason')}), "

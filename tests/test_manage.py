@@ -73,17 +73,38 @@ def test_describe_does_not_wait_for_a_loading_worker():
     api = ManagementApi(listed("UNLOADING", "STARTED"))
     shown = manage.format_description(manage.describe(api, "minilm"))
     assert api.calls == [("GET", "/models/minilm")]
-    assert "pid 101 STARTED" in shown and "no worker READY to give it -- loading or restarting" in shown
+    assert "pid 101 STARTED" in shown and "no worker answered for it -- loading, restarting or busy" in shown
 
 
 def test_describe_shows_the_workers_when_the_worker_asked_dies(capsys):
     api = ManagementApi(listed("READY"), WORKER_DIED)
     shown = manage.format_description(manage.describe(api, "minilm"))
-    assert "pid 100 READY" in shown and "no worker READY to give it" in shown
-    assert "507" in capsys.readouterr().err
+    assert "pid 100 READY" in shown and "no worker answered for it" in shown
+    assert "the worker asked died meanwhile" in capsys.readouterr().err
 
 
-def test_describe_of_an_unknown_model_still_fails():
-    api = ManagementApi((404, b'{"code": 404, "type": "ModelNotFoundException", "message": "Model not found: x"}'))
-    with pytest.raises(manage.ManagementError, match="404 .*Model not found: x"):
-        manage.describe(api, "x")
+class Unanswered(ManagementApi):
+    """The customized describe waits in TorchServe's queue past the client's timeout."""
+
+    def management(self, method: str, path: str, timeout: float = 120) -> tuple[int, bytes]:
+        if "customized" in path:
+            self.calls.append((method, path))
+            raise TimeoutError(f"timed out after {timeout}s")
+        return super().management(method, path, timeout)
+
+
+def test_describe_gives_up_on_a_worker_that_does_not_take_the_question(capsys):
+    api = Unanswered(listed("READY"))
+    shown = manage.format_description(manage.describe(api, "minilm", worker_timeout=3))
+    assert "pid 100 READY" in shown and len(api.calls) == 2
+    assert "no worker answered within 3s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("answer", [
+    (404, b'{"code": 404, "type": "ModelNotFoundException", "message": "Model not found: minilm"}'),
+    (500, b'{"code": 500, "type": "InternalServerException", "message": "handler describe failed"}')])
+def test_any_other_describe_error_is_shown_as_it_is(answer):
+    """A 500 from the handler's own describe is a bug to see, not a restart to wait out."""
+    api = ManagementApi(listed("READY"), answer)
+    with pytest.raises(manage.ManagementError, match=f"{answer[0]} "):
+        manage.describe(api, "minilm")

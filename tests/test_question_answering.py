@@ -12,7 +12,7 @@ import torch
 
 from handlers.config import load_config
 from handlers.engine import Engine
-from handlers.errors import InvalidInput
+from handlers.errors import InvalidInput, ModelLoadError
 from tests import pipeline_reference
 
 CONTEXT = "The Eiffel Tower was completed in 1889 in Paris, for the World's Fair, by Gustave Eiffel's company."
@@ -98,3 +98,11 @@ def test_bad_input_is_refused_and_its_neighbours_answered(qa, body, message):
     good, bad, also_good = qa.predict([CALLS[0], body, CALLS[2]])
     assert isinstance(bad, InvalidInput) and bad.status == 400 and message in bad.message, bad
     assert good["answer"] and also_good["answer"]
+
+
+def test_a_tokenizer_that_pads_on_the_left_is_refused_at_load(task_model_dirs, tmp_path):
+    """The span search reads each window from its first column: a left-padding tokenizer fails the load, saying why."""
+    from tests.test_token_classification import left_padded_copy
+
+    with pytest.raises(ModelLoadError, match="expects a tokenizer that pads on the right"):
+        eager_engine(left_padded_copy(task_model_dirs["minilm-qa"], tmp_path))

@@ -70,6 +70,17 @@ def test_every_answer_equals_the_pipeline(ner):
     assert_same_entities(answers[2], pipe(TEXTS[1]))
 
 
+def test_a_tokenizer_the_rust_path_cannot_take_gives_the_same_answers_through_transformers(ner):
+    engine, _ = ner
+    bodies = [{"inputs": TEXTS[:3], "aggregation_strategy": "simple"}, TEXTS[1], {"text": TEXTS[0]}]
+    through_rust = engine.predict(bodies)
+    encoder, engine._task._encoder = engine._task._encoder, None  # as BatchEncoder.of answers for such a tokenizer
+    try:
+        assert engine.predict(bodies) == through_rust
+    finally:
+        engine._task._encoder = encoder
+
+
 def test_offsets_point_into_the_text_as_sent(ner):
     engine, pipe = ner
     normalize = pipe.tokenizer.backend_tokenizer.normalizer.normalize_str  # lower case, accents stripped
@@ -121,3 +132,37 @@ def test_a_cpu_worker_on_a_machine_with_a_gpu_keeps_its_model_on_the_cpu(task_mo
     assert engine._task._pipeline.device == torch.device("cpu")
     (entities,) = engine.predict([{"text": TEXTS[0], "ignore_labels": []}])
     assert entities and all(entity["entity"] for entity in entities)
+
+
+def left_padded_copy(model_dir: Path, tmp_path: Path) -> Path:
+    """``model_dir`` with its tokenizer set to pad on the left, as some models' tokenizers are."""
+    import shutil
+
+    import transformers
+
+    copy = tmp_path / f"{model_dir.name}-left"
+    shutil.copytree(model_dir, copy)
+    transformers.AutoTokenizer.from_pretrained(model_dir, padding_side="left").save_pretrained(copy)
+    return copy
+
+
+def test_texts_padded_on_the_left_keep_their_entities(task_model_dirs, tmp_path):
+    """A tokenizer that pads on the left: each text's logits are read at its own tokens. Each text's logits alone are
+    placed where the left-padded batch holds its tokens, so this checks where answers are read, not the model
+    (whose absolute positions shift under left padding: BERT's answers are the model's, padded as configured)."""
+    engine = eager_engine(left_padded_copy(task_model_dirs["minilm-ner"], tmp_path))
+    task = engine._task
+    requests = [task.parse({"text": text, "aggregation_strategy": strategy})
+                for text in (TEXTS[1], TEXTS[0]) for strategy in ("none", "simple")]
+    batch = task.preprocess(requests)
+    mask = batch.inputs["attention_mask"].bool()
+    assert not mask[0, 0] and mask[0, -1] and mask[2].all()  # "short" padded on the left
+    alone = [task.preprocess([request]) for request in requests]
+    logits = [engine.forward_step(**one.inputs) for one in alone]
+    placed = torch.zeros(len(requests), mask.shape[1] + 3, logits[0].shape[-1])  # + the shape policy's columns
+    for row, one in enumerate(logits):
+        placed[row, : mask.shape[1]][mask[row]] = one[0]
+    want = [task.postprocess(one, encoded, [request])[0]
+            for one, encoded, request in zip(logits, alone, requests, strict=True)]
+    assert task.postprocess(placed, batch, requests) == want
+    assert [entity["word"] for entity in want[3]] and want[2] != want[3]

@@ -68,8 +68,8 @@ class BatchEncoder:
         return self._inputs(self._backend.encode_batch(list(texts), add_special_tokens=True))
 
     def with_offsets(self, texts: Sequence[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """As called, with each token's character span in its text ([rows, tokens, 2]; (0, 0) for special and padding
-        tokens) and the special-tokens mask ([rows, tokens]; 1 for special and padding tokens): what
+        """As called, with each token's character span in its text ([rows, tokens, 2]; (0, 0) for the special tokens
+        the tokenizer adds and for padding) and the special-tokens mask ([rows, tokens]; 1 for those): what
         ``return_offsets_mapping=True, return_special_tokens_mask=True`` add, read from the same encodings."""
         encodings = self._backend.encode_batch(list(texts), add_special_tokens=True)
         offsets = np.array([encoding.offsets for encoding in encodings], dtype=np.int64).reshape(len(encodings), -1, 2)

@@ -100,13 +100,15 @@ class TokenClassificationTask(ScoredTask):
         return Encoded(inputs, {"offsets": encoded["offset_mapping"], "special": encoded["special_tokens_mask"]})
 
     def postprocess(self, outputs: torch.Tensor, encoded: Encoded, requests: Sequence[TokenRequest]) -> list[Any]:
-        logits = outputs.float().cpu()
-        lengths = encoded.inputs["attention_mask"].sum(dim=1).tolist()
+        # Each text's own tokens, wherever its tokenizer padded it (left or right); columns past them are the shape
+        # policy's padding, always on the right.
+        mask = encoded.inputs["attention_mask"].bool()
+        logits = outputs.float().cpu()[:, : mask.shape[1]]
         answers, row = [], 0
         for request in requests:
             per_text = []
             for text in request.texts:
-                real = slice(0, lengths[row])
+                real = mask[row]
                 chunk = {
                     "logits": logits[row : row + 1, real],
                     "input_ids": encoded.inputs["input_ids"][row : row + 1, real],
