@@ -104,15 +104,19 @@ class TokenClassificationTask(ScoredTask):
         # policy's padding, always on the right.
         mask = encoded.inputs["attention_mask"].bool()
         logits = outputs.float().cpu()[:, : mask.shape[1]]
+        # Token ids and offsets as Python lists (the pipeline's documented types): it reads them token by token, and
+        # each read of a tensor element costs microseconds (NER, 4 texts of 8-96 words: most of our 7 ms)
+        ids, offsets = encoded.inputs["input_ids"].tolist(), encoded.extras["offsets"].tolist()
         answers, row = [], 0
         for request in requests:
             per_text = []
             for text in request.texts:
                 real = mask[row]
+                columns = real.nonzero().flatten().tolist()
                 chunk = {
                     "logits": logits[row : row + 1, real],
-                    "input_ids": encoded.inputs["input_ids"][row : row + 1, real],
-                    "offset_mapping": encoded.extras["offsets"][row : row + 1, real],
+                    "input_ids": [[ids[row][column] for column in columns]],
+                    "offset_mapping": [[tuple(offsets[row][column]) for column in columns]],
                     "special_tokens_mask": encoded.extras["special"][row : row + 1, real],
                     "sentence": text,
                 }
