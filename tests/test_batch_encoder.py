@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import transformers
 
-from handlers.tasks.batch_encoder import BatchEncoder
+from handlers.tasks.batch_encoder import BatchEncoder, WindowEncoder
 from tests.test_embeddings import make_engine
 
 TEXTS = [
@@ -124,3 +124,42 @@ def test_an_embeddings_request_is_answered_through_the_encoder(tiny_bert_dir):
     engine._task._encoder = lambda texts: calls.append(texts) or encoder(texts)
     (answer,) = engine.predict([{"inputs": ["alpha beta", "gamma"]}])
     assert calls == [["alpha beta", "gamma"]] and len(answer["embeddings"]) == 2
+
+
+QUESTION = "Where is the café near 東京?"
+CONTEXT = " ".join(f"In {1800 + year} the café at São Paulo opened branch {year} near 東京." for year in range(40))
+
+
+@pytest.mark.parametrize(("window", "stride"), [(384, 128), (64, 16), (32, 8)])
+def test_question_answering_windows_are_those_transformers_gives(tokenizer, window, stride):
+    """``WindowEncoder``: a question and a long context in windows of ``window`` tokens overlapping by ``stride``,
+    the same encodings (ids, token types, mask, offsets, which sequence each token is from) as transformers'
+    ``return_overflowing_tokens`` call, whatever window the call before used; and a batch of them padded as
+    ``tokenizer.pad`` pads it."""
+    encoder = WindowEncoder.of(tokenizer)
+    assert encoder is not None
+    encoder.windows("warm", "up", 48, 4)  # another request's options before
+    want = tokenizer(QUESTION, CONTEXT, truncation="only_second", max_length=window, stride=stride,
+                     return_overflowing_tokens=True).encodings
+    got = encoder.windows(QUESTION, CONTEXT, window, stride)
+    assert len(got) == len(want) > (1 if window < 384 else 0)
+    for ours, theirs in zip(got, want, strict=True):
+        for field in ("ids", "type_ids", "attention_mask", "offsets", "sequence_ids"):
+            assert getattr(ours, field) == getattr(theirs, field), field
+    short = encoder.windows("Who?", "Gustave Eiffel.", window, stride)
+    batch = got + short
+    names = tokenizer.model_input_names
+    fields = {"input_ids": "ids", "token_type_ids": "type_ids", "attention_mask": "attention_mask"}
+    padded = tokenizer.pad([{name: getattr(encoding, fields[name]) for name in names} for encoding in batch],
+                           padding=True, return_tensors="np")
+    inputs = encoder.pad(batch)
+    assert list(inputs) == list(names)
+    assert all(inputs[name].numpy().dtype == np.int64 and np.array_equal(inputs[name].numpy(), padded[name])
+               for name in names)
+
+
+def test_a_question_longer_than_the_window_is_the_backends_error(tokenizer):
+    encoder = WindowEncoder.of(tokenizer)
+    with pytest.raises(Exception, match="too short to respect the provided max_length"):
+        encoder.windows("why " * 100, CONTEXT, 64, 16)
+    assert len(encoder.windows(QUESTION, CONTEXT, 64, 16)) > 1  # and the next request is windowed as ever

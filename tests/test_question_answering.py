@@ -106,3 +106,15 @@ def test_a_tokenizer_that_pads_on_the_left_is_refused_at_load(task_model_dirs, t
 
     with pytest.raises(ModelLoadError, match="expects a tokenizer that pads on the right"):
         eager_engine(left_padded_copy(task_model_dirs["minilm-qa"], tmp_path))
+
+
+def test_the_windows_come_from_the_rust_backend_and_transformers_path_answers_the_same(task_model_dirs):
+    """The serving path windows each pair through the tokenizer's backend directly (``WindowEncoder``); a tokenizer
+    it cannot copy goes through transformers' call, with the same answers."""
+    direct, through_transformers = (eager_engine(task_model_dirs["minilm-qa"]) for _ in range(2))
+    assert direct._task._window_encoder is not None
+    through_transformers._task._window_encoder = None
+    batch = [CALLS[0], CALLS[4], {"inputs": [CALLS[2], CALLS[3]], "top_k": 2}, CALLS[6]]
+    for got, want in zip(direct.predict(batch), through_transformers.predict(batch), strict=True):
+        for ours, theirs in zip(got, want, strict=True) if isinstance(got, list) else [(got, want)]:
+            assert_same_answer(ours, theirs, tolerance=0.0)

@@ -28,6 +28,7 @@ import transformers
 from handlers import open_inference
 from handlers.errors import InvalidInput, ModelLoadError
 from handlers.tasks.base import Encoded, ScoredTask
+from handlers.tasks.batch_encoder import WindowEncoder
 
 PIPELINE_WINDOW = 384  # the pipeline's default max_seq_len
 PIPELINE_STRIDE = 128  # its default doc_stride (at most half the window)
@@ -49,7 +50,7 @@ class Windows:
     """One (question, context) pair, tokenized into overlapping windows of the context."""
 
     context: str
-    encoding: Any  # transformers BatchEncoding: one row per window
+    encodings: tuple[Any, ...]  # the tokenizer backend's Encoding of each window, the first window first
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ class QuestionAnsweringTask(ScoredTask):
     name = "question-answering"
     open_inference_output = "answers"
     model_class = transformers.AutoModelForQuestionAnswering
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # The windows through the Rust backend directly (handlers.tasks.batch_encoder); None: through transformers
+        self._window_encoder = WindowEncoder.of(self.tokenizer)
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         if not self.tokenizer.is_fast:
@@ -107,7 +113,7 @@ class QuestionAnsweringTask(ScoredTask):
         else:
             pairs = [self._pair(body, "the request")]
         windows = tuple(self._windows(question, context, options) for question, context in pairs)
-        total = sum(len(pair.encoding["input_ids"]) for pair in windows)
+        total = sum(len(pair.encodings) for pair in windows)
         if total > self.max_inputs:
             raise InvalidInput(f"the context(s) need {total} windows of {self._window(options)} tokens; at most "
                                f"{self.max_inputs} per request (pt2_handlers.max_inputs_per_request)")
@@ -170,19 +176,25 @@ class QuestionAnsweringTask(ScoredTask):
         window = self._window(options)
         stride = options.doc_stride if options.doc_stride is not None else min(window // 2, PIPELINE_STRIDE)
         try:
-            encoding = self.tokenizer(question, context, truncation="only_second", max_length=window, stride=stride,
-                                      return_overflowing_tokens=True, return_offsets_mapping=True,
-                                      return_token_type_ids=True)
+            if self._window_encoder is not None:
+                encodings = self._window_encoder.windows(question, context, window, stride)
+            else:
+                encodings = self.tokenizer(question, context, truncation="only_second", max_length=window,
+                                           stride=stride, return_overflowing_tokens=True).encodings
         except Exception as exc:  # the fast tokenizer's own error: the question leaves no room for the context
             raise InvalidInput(f"the question is too long for a {window}-token window with stride {stride} "
                                f"({exc}); shorten it") from None
-        return Windows(context, encoding)
+        return Windows(context, tuple(encodings))
 
     def preprocess(self, requests: Sequence[QuestionRequest]) -> Encoded:
-        rows = [{name: pair.encoding[name][window] for name in self.tokenizer.model_input_names}
-                for request in requests for pair in request.pairs for window in range(len(pair.encoding["input_ids"]))]
+        encodings = [encoding for request in requests for pair in request.pairs for encoding in pair.encodings]
+        if self._window_encoder is not None:
+            return Encoded(self._window_encoder.pad(encodings))
+        names = self.tokenizer.model_input_names
+        fields = {"input_ids": "ids", "token_type_ids": "type_ids", "attention_mask": "attention_mask"}
+        rows = [{name: getattr(encoding, fields[name]) for name in names} for encoding in encodings]
         batch = self.tokenizer.pad(rows, padding=True, return_tensors="pt")
-        return Encoded({name: batch[name] for name in self.tokenizer.model_input_names})
+        return Encoded({name: batch[name] for name in names})
 
     def postprocess(self, outputs: tuple[torch.Tensor, torch.Tensor], encoded: Encoded,
                     requests: Sequence[QuestionRequest]) -> list[Any]:
@@ -191,7 +203,7 @@ class QuestionAnsweringTask(ScoredTask):
         for request in requests:
             per_pair = []
             for pair in request.pairs:
-                count = len(pair.encoding["input_ids"])
+                count = len(pair.encodings)
                 per_pair.append(self._answer(pair, starts[row : row + count], ends[row : row + count], request.options))
                 row += count
             answers.append(per_pair if request.many else per_pair[0])
@@ -202,8 +214,7 @@ class QuestionAnsweringTask(ScoredTask):
         candidates = options.top_k * 2 + 10 if options.align_to_words else options.top_k  # some merge into words
         null_score = 1_000_000.0
         answers: list[dict[str, Any]] = []
-        for window in range(len(pair.encoding["input_ids"])):
-            encoding = pair.encoding.encodings[window]
+        for window, encoding in enumerate(pair.encodings):
             length = len(encoding.ids)
             context_tokens = np.array([sequence == 1 for sequence in encoding.sequence_ids])
             start = _probabilities(starts[window, :length], context_tokens, self.tokenizer.cls_token_id, encoding)
