@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import sys
 import tempfile
@@ -32,7 +33,8 @@ from typing import Any
 import package
 import tsctl
 import yaml
-from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, run_header, summarize, write_csv,
+from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, pids_with_arg, run_header, summarize,
+                          write_csv,
                           write_plot)
 from bench_e2e import Client, single_token_words
 
@@ -115,8 +117,9 @@ def in_process(args: argparse.Namespace, bodies: list[bytes]) -> dict[str, list[
         return samples
 
 
-def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path) -> list[float]:
-    """Client latency (ms) of each lone request through TorchServe, one keep-alive connection, one at a time."""
+def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path) -> tuple[list[float], float | None]:
+    """Client latency (ms) of each lone request through TorchServe, one keep-alive connection, one at a time; and
+    the CPU share of processes other than this one and that TorchServe meanwhile."""
     store = work / "model_store"
     package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
     config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
@@ -126,15 +129,17 @@ def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path
     try:
         client = Client(server.inference_url, server.key("inference"))
         latencies = []
-        for index, body in enumerate(bodies):
-            started = time.perf_counter()
-            status, answer = client.post(f"/predictions/{MODEL}", body)
-            took = (time.perf_counter() - started) * 1000
-            assert status == 200, answer[:200]
-            if index >= args.warmup:
-                latencies.append(took)
+        # torchserve --start detaches the frontend from this process: ours by its run directory
+        with OtherCpu({os.getpid(), *pids_with_arg(str(work))}) as other:
+            for index, body in enumerate(bodies):
+                started = time.perf_counter()
+                status, answer = client.post(f"/predictions/{MODEL}", body)
+                took = (time.perf_counter() - started) * 1000
+                assert status == 200, answer[:200]
+                if index >= args.warmup:
+                    latencies.append(took)
         client.close()
-        return latencies
+        return latencies, other.percent
     finally:
         tsctl.stop(work / "run")
 
@@ -149,14 +154,16 @@ def main() -> None:
     bodies = make_bodies(args.warmup + args.requests, tuple(args.words))
     with OtherCpu() as other:
         samples = in_process(args, bodies)
-        if not args.skip_torchserve:
-            with tempfile.TemporaryDirectory(prefix="bench-overhead-ts-") as tmp:
-                samples["client"] = through_torchserve(args, bodies, Path(tmp))
+    other_pct = {"in process": other.percent}
+    if not args.skip_torchserve:
+        with tempfile.TemporaryDirectory(prefix="bench-overhead-ts-") as tmp:
+            samples["client"], other_pct["through TorchServe"] = through_torchserve(args, bodies, Path(tmp))
     stats = {name: summarize(values) for name, values in samples.items()}
     if "client" in stats:
         stats["torchserve"] = {q: stats["client"][q] - stats["handle"][q] for q in ("p50", "p90", "p99", "mean")}
     rows = [{"part": name, **{f"{q}_ms": round(value, 3) for q, value in s.items()}, "requests": args.requests,
-             "other_cpu_pct": other.percent} for name, s in stats.items()]
+             "other_cpu_pct": max((v for v in other_pct.values() if v is not None), default=None)}
+            for name, s in stats.items()]
     write_csv(args.out.with_suffix(".csv"), rows)
     order = [name for name in ("client", "torchserve", "handle", "ours", "forward", *STAGES[:2], STAGES[3], "adapter")
              if name in stats]
@@ -164,7 +171,7 @@ def main() -> None:
                            [[name, *(f"{stats[name][q]:.3f}" for q in ("p50", "p90", "p99", "mean"))]
                             for name in order])
     notes = (f"lone requests of {args.words[0]}-{args.words[1]} words, {args.requests} timed after {args.warmup}; "
-             f"other processes used {other.percent}% of the CPU")
+             "other processes used " + " / ".join(f"{v}% ({k})" for k, v in other_pct.items()) + " of the CPU")
     args.out.with_suffix(".md").write_text(f"{header['command']}\n\n{table}\n\n{notes}\n")
     write_plot(args.out.with_suffix(".png"), "a lone short request: where the time goes (p50)", order,
                [("ms (p50)", {"p50": [stats[name]["p50"] for name in order]})])
