@@ -34,8 +34,7 @@ import package
 import tsctl
 import yaml
 from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, pids_with_arg, run_header, summarize,
-                          write_csv,
-                          write_plot)
+                          write_csv, write_plot)
 from bench_e2e import Client, single_token_words
 
 MODEL = "overhead"
@@ -162,7 +161,7 @@ def main() -> None:
     if "client" in stats:
         stats["torchserve"] = {q: stats["client"][q] - stats["handle"][q] for q in ("p50", "p90", "p99", "mean")}
     rows = [{"part": name, **{f"{q}_ms": round(value, 3) for q, value in s.items()}, "requests": args.requests,
-             "other_cpu_pct": max((v for v in other_pct.values() if v is not None), default=None)}
+             "other_cpu_pct": other_pct.get("through TorchServe" if name in ("client", "torchserve") else "in process")}
             for name, s in stats.items()]
     write_csv(args.out.with_suffix(".csv"), rows)
     order = [name for name in ("client", "torchserve", "handle", "ours", "forward", *STAGES[:2], STAGES[3], "adapter")

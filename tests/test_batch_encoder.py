@@ -163,3 +163,28 @@ def test_a_question_longer_than_the_window_is_the_backends_error(tokenizer):
     with pytest.raises(Exception, match="too short to respect the provided max_length"):
         encoder.windows("why " * 100, CONTEXT, 64, 16)
     assert len(encoder.windows(QUESTION, CONTEXT, 64, 16)) > 1  # and the next request is windowed as ever
+
+
+@pytest.mark.parametrize("setting", [{"truncation_side": "left"}, {"split_special_tokens": True},
+                                     {"pad_token_type_id": 1}])
+def test_question_answering_windows_follow_the_tokenizers_own_settings(minilm_dir, setting):
+    """Truncating the context from the left, splitting special tokens written in the text, and padding token types
+    with 1: the windows and their padded batch as transformers makes them."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir, **{k: v for k, v in setting.items()
+                                                                          if k != "pad_token_type_id"})
+    if "pad_token_type_id" in setting:
+        tokenizer._pad_token_type_id = setting["pad_token_type_id"]  # no from_pretrained argument sets it
+    assert all(getattr(tokenizer, name) == value for name, value in setting.items())
+    encoder = WindowEncoder.of(tokenizer)
+    question = "What is [SEP] doing in [CLS] a question?"
+    want = tokenizer(question, CONTEXT, truncation="only_second", max_length=48, stride=12,
+                     return_overflowing_tokens=True).encodings
+    got = encoder.windows(question, CONTEXT, 48, 12)
+    assert [(e.ids, e.type_ids, e.offsets) for e in got] == [(e.ids, e.type_ids, e.offsets) for e in want]
+    batch = got + encoder.windows("Who?", "Gustave Eiffel.", 48, 12)
+    padded = tokenizer.pad([{"input_ids": e.ids, "token_type_ids": e.type_ids, "attention_mask": e.attention_mask}
+                            for e in batch], padding=True, return_tensors="np")
+    inputs = encoder.pad(batch)
+    assert all(np.array_equal(inputs[name].numpy(), padded[name]) for name in padded)
+    if "pad_token_type_id" in setting:
+        assert inputs["token_type_ids"].numpy()[-1, -1] == 1  # the short pair's padding

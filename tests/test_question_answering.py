@@ -87,6 +87,12 @@ def test_answers_are_spans_of_the_context(qa):
     ({"question": "Who?", "context": CONTEXT, "max_seq_len": 1000}, '"max_seq_len" 1000 exceeds this model'),
     ({"question": "Who?", "context": CONTEXT, "doc_stride": 384}, '"doc_stride" 384 must be smaller than the window'),
     ({"question": "Who? " * 400, "context": CONTEXT}, "the question is too long for a 384-token window"),
+    # Room for the context, but not more than the stride: the Rust tokenizer panics (as the pipeline's did)
+    ({"question": "why " * 300, "context": LONG_CONTEXT}, "the question leaves 81 tokens of each 384-token window"),
+    ({"question": "why " * 70, "context": LONG_CONTEXT, "max_seq_len": 96, "doc_stride": 32},
+     "the question leaves 23 tokens of each 96-token window to the context, not more than the stride (32)"),
+    ({"question": "Who?", "context": CONTEXT, "max_seq_len": 96, "doc_stride": 93},
+     '"doc_stride" 93 must be smaller than the window (96 tokens, 3 of them special)'),
     ({"question": "Who?", "context": LONG_CONTEXT * 8}, "at most 16 per request"),
     ({"question": "Who?", "context": CONTEXT, "temperature": 1}, "unknown key(s) temperature"),
     ({"inputs": []}, '"inputs" must be a non-empty list'),

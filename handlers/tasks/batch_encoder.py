@@ -6,7 +6,8 @@ everything else out of the CPU's caches, and there transformers' ``tokenizer(tex
 warm; the backend's own ``encode_batch`` costs 0.13-0.19 ms there. The batch encoder is a copy of the backend,
 configured once as transformers configures it for ``truncation=True, max_length=..., padding=True``, so its
 answers are the same arrays (tests/test_batch_encoder.py checks them against transformers). ``WindowEncoder`` does
-the same for question answering's windows over a (question, context) pair."""
+the same for question answering's windows over a (question, context) pair, its truncation set as each request's
+window and stride ask."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 # Model input -> the backend Encoding's attribute that transformers reads for it.
-_FIELDS = {"input_ids": "ids", "token_type_ids": "type_ids", "attention_mask": "attention_mask"}
+ENCODING_FIELDS = {"input_ids": "ids", "token_type_ids": "type_ids", "attention_mask": "attention_mask"}
 # What transformers runs for ``tokenizer(texts, ...)``: a tokenizer class that overrides any of them (CodeLlama's
 # infilling, the translation tokenizers' input mode, LUKE's entities) does more than its backend, and keeps that path.
 _CALL_PATH = ("__call__", "_get_padding_truncation_strategies", "_switch_to_input_mode", "set_truncation_and_padding",
@@ -32,7 +33,7 @@ class BatchEncoder:
 
     def __init__(self, backend: Any, input_names: Sequence[str]):
         self._backend = backend
-        self._fields = [(name, _FIELDS[name]) for name in input_names]
+        self._fields = [(name, ENCODING_FIELDS[name]) for name in input_names]
 
     @classmethod
     def of(cls, tokenizer: Any, max_length: int) -> BatchEncoder | None:
@@ -55,8 +56,9 @@ class BatchEncoder:
         return next((index for index, encoding in enumerate(encodings) if encoding.overflowing), None)
 
     def __call__(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        # encode_batch_fast: the same encodings without character offsets, which these inputs do not need (8 texts
-        # of ~120 words on CPU A: 1.09 -> 0.84 ms)
+        # encode_batch_fast: the same encodings of single texts without character offsets, which these inputs do not
+        # need (8 texts of ~120 words on CPU A: 1.09 -> 0.84 ms); not for pairs, whose second text's token types
+        # it leaves 0
         return self._inputs(self._backend.encode_batch_fast(list(texts), add_special_tokens=True))
 
     def with_offsets(self, texts: Sequence[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -80,7 +82,7 @@ class WindowEncoder:
 
     def __init__(self, backend: Any, input_names: Sequence[str], truncation_side: str, pad_id: int, pad_type_id: int):
         self._backend = backend
-        self._fields = [(name, _FIELDS[name]) for name in input_names]
+        self._fields = [(name, ENCODING_FIELDS[name]) for name in input_names]
         self._truncation_side = truncation_side
         self._fill = {"ids": pad_id, "type_ids": pad_type_id, "attention_mask": 0}
         self._window: tuple[int, int] | None = None  # (max_length, stride) the backend truncates at now
@@ -88,7 +90,7 @@ class WindowEncoder:
     @classmethod
     def of(cls, tokenizer: Any) -> WindowEncoder | None:
         """As ``BatchEncoder.of``: None where transformers' call does more than the backend would."""
-        own = _own_backend(tokenizer)
+        own = _own_backend(tokenizer, also=("pad", "_pad"))  # pad() stands in for tokenizer.pad
         if own is None:
             return None
         own.no_padding()  # each window as long as its tokens; ``pad`` pads a batch
@@ -117,18 +119,19 @@ class WindowEncoder:
         return inputs
 
 
-def _own_backend(tokenizer: Any) -> Any | None:
+def _own_backend(tokenizer: Any, also: Sequence[str] = ()) -> Any | None:
     """A copy of ``tokenizer``'s Rust backend for the serving path to configure and call directly (transformers
     reconfigures the tokenizer's own on each call), with the tokenizer's special-token splitting; None where
-    transformers' call does more than the backend would or the backend cannot be copied."""
+    transformers' call does more than the backend would (or its class overrides one of ``also``, methods the caller
+    stands in for) or the backend cannot be copied."""
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    own_call = [name for name in _CALL_PATH
+    own_call = [name for name in (*_CALL_PATH, *also)
                 if getattr(type(tokenizer), name, None) is not getattr(TokenizersBackend, name, None)]
     if not isinstance(tokenizer, TokenizersBackend) or own_call:
         return None
-    names = list(tokenizer.model_input_names)
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id < 0 or not names or not set(names) <= set(_FIELDS):
+    names = set(tokenizer.model_input_names)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id < 0 or not names or not names <= set(ENCODING_FIELDS):
         return None
     try:
         own = copy.deepcopy(tokenizer.backend_tokenizer)

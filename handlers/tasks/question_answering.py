@@ -28,7 +28,7 @@ import transformers
 from handlers import open_inference
 from handlers.errors import InvalidInput, ModelLoadError
 from handlers.tasks.base import Encoded, ScoredTask
-from handlers.tasks.batch_encoder import WindowEncoder
+from handlers.tasks.batch_encoder import ENCODING_FIELDS, WindowEncoder
 
 PIPELINE_WINDOW = 384  # the pipeline's default max_seq_len
 PIPELINE_STRIDE = 128  # its default doc_stride (at most half the window)
@@ -82,6 +82,7 @@ class QuestionAnsweringTask(ScoredTask):
         super().__init__(*args, **kwargs)
         # The windows through the Rust backend directly (handlers.tasks.batch_encoder); None: through transformers
         self._window_encoder = WindowEncoder.of(self.tokenizer)
+        self._pair_specials = self.tokenizer.num_special_tokens_to_add(pair=True)  # [CLS] q [SEP] c [SEP]: 3
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         if not self.tokenizer.is_fast:
@@ -164,9 +165,10 @@ class QuestionAnsweringTask(ScoredTask):
         options = Options(**{name: value for name, value in values.items() if value is not None})
         if options.max_seq_len is not None and options.max_seq_len > self.max_length:
             raise InvalidInput(f'"max_seq_len" {options.max_seq_len} exceeds this model\'s {self.max_length} tokens')
-        if options.doc_stride is not None and options.doc_stride >= self._window(options):
-            raise InvalidInput(f'"doc_stride" {options.doc_stride} must be smaller than the window '
-                               f"({self._window(options)} tokens)")
+        window = self._window(options)
+        if options.doc_stride is not None and options.doc_stride >= window - self._pair_specials:
+            raise InvalidInput(f'"doc_stride" {options.doc_stride} must be smaller than the window ({window} tokens, '
+                               f"{self._pair_specials} of them special)")
         return options
 
     def _window(self, options: Options) -> int:
@@ -181,18 +183,35 @@ class QuestionAnsweringTask(ScoredTask):
             else:
                 encodings = self.tokenizer(question, context, truncation="only_second", max_length=window,
                                            stride=stride, return_overflowing_tokens=True).encodings
-        except Exception as exc:  # the fast tokenizer's own error: the question leaves no room for the context
-            raise InvalidInput(f"the question is too long for a {window}-token window with stride {stride} "
-                               f"({exc}); shorten it") from None
+        except BaseException as exc:  # noqa: BLE001 - a Rust panic arrives as pyo3's PanicException, a BaseException
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise  # KeyboardInterrupt, SystemExit
+            problem = self._no_room(question, window, stride)
+            if problem is None:
+                raise RuntimeError(f"the tokenizer failed on this pair: {exc}") from None
+            raise problem from None
         return Windows(context, tuple(encodings))
+
+    def _no_room(self, question: str, window: int, stride: int) -> InvalidInput | None:
+        """Why the tokenizer could not window a pair, where the question is the reason: it leaves no context in a
+        window, or no more than the stride (where the tokenizer panics, as the pipeline's would)."""
+        length = len(self.tokenizer(question, add_special_tokens=False)["input_ids"])
+        room = window - self._pair_specials - length
+        if room <= 0:
+            return InvalidInput(f"the question is too long for a {window}-token window ({length} tokens and "
+                                f"{self._pair_specials} special ones); shorten it")
+        if room <= stride:
+            return InvalidInput(f"the question leaves {room} tokens of each {window}-token window to the context, "
+                                f"not more than the stride ({stride}): shorten the question, lower doc_stride or "
+                                "raise max_seq_len")
+        return None
 
     def preprocess(self, requests: Sequence[QuestionRequest]) -> Encoded:
         encodings = [encoding for request in requests for pair in request.pairs for encoding in pair.encodings]
         if self._window_encoder is not None:
             return Encoded(self._window_encoder.pad(encodings))
         names = self.tokenizer.model_input_names
-        fields = {"input_ids": "ids", "token_type_ids": "type_ids", "attention_mask": "attention_mask"}
-        rows = [{name: getattr(encoding, fields[name]) for name in names} for encoding in encodings]
+        rows = [{name: getattr(encoding, ENCODING_FIELDS[name]) for name in names} for encoding in encodings]
         batch = self.tokenizer.pad(rows, padding=True, return_tensors="pt")
         return Encoded({name: batch[name] for name in names})
 
