@@ -20,7 +20,7 @@ import torch
 from handlers import calibration, compile_cache, hardware, length_groups, memory, open_inference
 from handlers.compile_cache import CacheDir
 from handlers.config import DType, HandlerConfig
-from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady
+from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady, native_panic
 from handlers.guard import GuardedForward
 from handlers.ladder import Attempt, AttemptStatus, Calibration, LadderResult, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
@@ -304,7 +304,9 @@ class Engine:
                 parsed[index] = self._task.parse(body)
             except HandlerError as exc:
                 answers[index] = exc
-            except Exception as exc:  # a bug reading one request must not fail its neighbours
+            except BaseException as exc:  # a bug reading one request must not fail its neighbours
+                if not isinstance(exc, Exception) and not native_panic(exc):
+                    raise
                 answers[index] = self._request_failed(exc, "parse")
         return parsed
 
@@ -328,18 +330,22 @@ class Engine:
             return None
         try:
             return self._task.preprocess(list(parsed.values()))
-        except Exception:  # noqa: BLE001 - isolated below, request by request
+        except BaseException as exc:  # noqa: BLE001 - isolated below, request by request
+            if not isinstance(exc, Exception) and not native_panic(exc):
+                raise
             logger.warning("preprocess failed on a batch of %d requests; retrying each alone", len(parsed))
         for index, request in list(parsed.items()):
             try:
                 self._task.preprocess([request])
-            except Exception as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001
+                if not isinstance(exc, Exception) and not native_panic(exc):
+                    raise
                 answers[index] = exc if isinstance(exc, HandlerError) else self._request_failed(exc, "preprocess")
                 del parsed[index]
         return self._task.preprocess(list(parsed.values())) if parsed else None
 
     @staticmethod
-    def _request_failed(exc: Exception, stage: str) -> InferenceError:
+    def _request_failed(exc: BaseException, stage: str) -> InferenceError:
         logger.error("%s failed on one request: %s", stage, summarize(exc), exc_info=exc)
         return InferenceError(f"the server failed to {stage} this request ({type(exc).__name__}); it is logged")
 

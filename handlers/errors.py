@@ -55,3 +55,10 @@ class InferenceError(HandlerError):
     one request hit a bug (500). The message names no internals; the log has them."""
 
     status = 500
+
+
+def native_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Rust extension's panic (the tokenizers library's) as pyo3 raises it: ``PanicException``,
+    a BaseException that ``except Exception`` lets through, though it concerns the one input that caused it and the
+    library works on after it. The serving path treats it as that input's failure."""
+    return type(exc).__name__ == "PanicException" and not isinstance(exc, Exception)

@@ -146,6 +146,13 @@ def cases(task: str, inputs: dict[str, Any], max_request_size: int) -> list[Case
                 spec.good("a\u0000b \u200b \U0001f600 \u05e9\u05dc\u05d5\u05dd \u4e2d\u6587"), 200, None),
     ]
     result += [as_json(kind, body, 400, says) for kind, body, says in spec.own]
+    if task == "question-answering":  # the room a window leaves the context at or under the stride: a Rust panic once
+        window = min(max_length, 384)
+        stride = min(window // 2, 128)
+        question = " ".join(["word"] * (window - 3 - stride // 2))  # [CLS] q [SEP] c [SEP]: stride / 2 left
+        result.append(as_json("question leaving the context no more than the stride",
+                              {"question": question, "context": " ".join(["word"] * 2 * window)}, 400,
+                              "not more than the stride"))
     return result
 
 

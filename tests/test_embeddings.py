@@ -120,6 +120,41 @@ def test_a_bug_reading_one_request_fails_that_request_alone(engine, monkeypatch)
     assert bad.message == "the server failed to preprocess this request (TypeError); it is logged"
 
 
+def rust_panic() -> BaseException:
+    """A real panic of the tokenizers library, as pyo3 raises it (``PanicException``, a BaseException): a window's
+    stride not below the room left for the second text."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.enable_truncation(max_length=3, stride=2, strategy="only_second")
+    try:
+        backend.encode("a", "a a a a a a")
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError("no panic")
+
+
+@pytest.mark.parametrize("stage", ["parse", "preprocess"])
+def test_a_tokenizer_panic_on_one_request_fails_that_request_alone(engine, monkeypatch, stage):
+    """A Rust panic is no ``Exception``: it used to pass every guard and fail the whole batch."""
+    panic = rust_panic()
+    assert not isinstance(panic, Exception) and type(panic).__name__ == "PanicException"
+    task = engine._task
+    original = getattr(task, "parse" if stage == "parse" else "encode")
+
+    def panicking(value):
+        if "panic" in str(value):
+            raise panic
+        return original(value)
+
+    monkeypatch.setattr(task, "parse" if stage == "parse" else "encode", panicking)
+    good, bad, also_good = engine.predict(["fine", "please panic", {"inputs": ["also", "fine"]}])
+    assert len(good["embedding"]) == len(also_good["embeddings"][1]) == 32
+    assert isinstance(bad, InferenceError) and bad.message == (
+        f"the server failed to {stage} this request (PanicException); it is logged")
+
+
 def test_a_batch_of_only_bad_bodies_runs_no_forward(engine):
     batches = engine.batches
     answers = engine.predict([{"nope": 1}, None])

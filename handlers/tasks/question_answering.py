@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from handlers import open_inference
-from handlers.errors import InvalidInput, ModelLoadError
+from handlers.errors import InvalidInput, ModelLoadError, native_panic
 from handlers.tasks.base import Encoded, ScoredTask
 from handlers.tasks.batch_encoder import ENCODING_FIELDS, WindowEncoder
 
@@ -183,9 +183,9 @@ class QuestionAnsweringTask(ScoredTask):
             else:
                 encodings = self.tokenizer(question, context, truncation="only_second", max_length=window,
                                            stride=stride, return_overflowing_tokens=True).encodings
-        except BaseException as exc:  # noqa: BLE001 - a Rust panic arrives as pyo3's PanicException, a BaseException
-            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
-                raise  # KeyboardInterrupt, SystemExit
+        except BaseException as exc:  # noqa: BLE001 - the tokenizer panics where the room is not above the stride
+            if not isinstance(exc, Exception) and not native_panic(exc):
+                raise
             problem = self._no_room(question, window, stride)
             if problem is None:
                 raise RuntimeError(f"the tokenizer failed on this pair: {exc}") from None
