@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from handlers import calibration, compile_cache, hardware, length_groups, memory, open_inference
+from handlers import calibration, compile_cache, fused_attention, hardware, length_groups, memory, open_inference
 from handlers.compile_cache import CacheDir
-from handlers.config import DType, HandlerConfig
+from handlers.config import Attention, DType, HandlerConfig
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady, native_panic
 from handlers.guard import GuardedForward
 from handlers.ladder import Attempt, AttemptStatus, Calibration, LadderResult, run_ladder, summarize
 from handlers.modeling import load_pretrained, resolve_max_length
-from handlers.rungs import build_ladder
+from handlers.rungs import CompileRung, build_ladder
 from handlers.shapes import ShapePolicy, concat_rows, gather_rows, pad_batch, split_rows, take_rows
 from handlers.tasks import Task, check_task
 from handlers.tasks.base import Emit, decode_body
@@ -75,6 +75,7 @@ class Engine:
         self.int8_calibration: str | None = None  # int8 was tried: what it was calibrated on and judged on
         self.cache_use: dict[str, dict[str, int]] | None = None  # what the compile caches served at load
         self.notes: list[str] = []
+        self.attention: fused_attention.Outcome | None = None  # which attention the compiled graphs run
         self.batches = 0
         self.max_batch_requests = 0
         self.last_batch = BatchStats()
@@ -178,6 +179,12 @@ class Engine:
                              inductor_unavailable=hardware.cpp_compiler_problem(self.device),
                              threads_follow=self.cores is not None)
         self.notes = [note for rung in rungs for note in rung.notes(self.device)]
+        self.attention = fused_attention.use_in_compiled_graphs(
+            model, self.device, Path(self.cache.path) / fused_attention.DIRECTORY if self.cache.path else None,
+            wanted=settings.attention is Attention.AUTO, causal=task_class.facts().causal_attention,
+            backends={rung.spec.backend for rung in rungs
+                      if isinstance(rung, CompileRung) and rung.unavailable_reason() is None})
+        logger.info("attention in compiled graphs: %s (%s)", *self.attention.describe().values())
         cache_before = compile_cache.use_counters()
         precisions: tuple[DType, ...] = self.precisions.value
         result = run_ladder(reference, precisions, rungs, batches,
@@ -435,6 +442,7 @@ class Engine:
             "torch": torch.__version__,
             "requested_compile": self.config.served_compile.describe() if self.config.compile.enabled else None,
             "notes": self.notes,
+            "attention": self.attention.describe() if self.attention else None,
             "shapes": self.shapes.describe(),
             "length_groups": self.length_cost.describe() if self.length_cost else None,
             "compile_cache": {**self.cache.describe(), "use_at_load": self.cache_use} if self.cache else None,

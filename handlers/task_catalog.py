@@ -43,6 +43,7 @@ class TaskFacts:
     default_shapes: ShapePolicy = ShapePolicy()  # the buckets a YAML without pt2_handlers.shapes gets
     float32_only: str | None = None  # why the task serves float32 only, if it does
     static_shapes_only: str | None = None  # why the task refuses the dynamic shape policy, if it does
+    causal_attention: bool = False  # its models attend to earlier tokens only (decoders): no fused attention
 
 
 COSINE_GATE = GateFacts(
@@ -73,6 +74,7 @@ TASK_FACTS: Mapping[str, TaskFacts] = MappingProxyType({facts.name: facts for fa
               "greedy or sampled continuations, streamed or whole", TOKEN_GATE,
               default_shapes=ShapePolicy(batch_sizes=(1, 4), seq_lengths=(256,)),
               float32_only="its gate wants greedy tokens identical to fp32 eager's, which half types rarely keep",
-              static_shapes_only="the decode step runs against a static KV cache per (batch, cache length) bucket"),
+              static_shapes_only="the decode step runs against a static KV cache per (batch, cache length) bucket",
+              causal_attention=True),
 )})
 TASK_NAMES: tuple[str, ...] = tuple(TASK_FACTS)

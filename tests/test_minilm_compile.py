@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from handlers import fused_attention
 from handlers.config import load_config
 from handlers.engine import Engine
 from tests.test_precision import auto_served
@@ -40,6 +41,11 @@ def test_requested_compile_is_proven_and_active(compiled_engine):
     assert first["seconds"] > 0
     assert optimization["requested_compile"]["mode"] == "reduce-overhead"
     assert first["quality"]["value"] >= first["quality"]["threshold"]
+    # On an AVX-512 CPU the graphs run the fused attention kernel; the gate above judged them against SDPA's fp32.
+    unavailable = fused_attention.unavailable_here()
+    expected = fused_attention.IMPLEMENTATION if unavailable is None else "sdpa"
+    assert optimization["attention"]["kernel"] == expected, optimization["attention"]
+    assert unavailable is None or optimization["attention"]["reason"] == unavailable
 
 
 @pytest.mark.slow

@@ -23,13 +23,13 @@ from pydantic import ValidationError
 from handlers.config.problems import problems_of
 from handlers.config.schema import ModelYaml, validate_model_yaml
 from handlers.config.settings import SettingsSection, shape_policy
-from handlers.config.values import (CompileSpec, DType, HandlerConfig, HandlerSettings, RungName, TooLong,
+from handlers.config.values import (Attention, CompileSpec, DType, HandlerConfig, HandlerSettings, RungName, TooLong,
                                     resolve_backend)
 from handlers.errors import ConfigError
 from handlers.task_catalog import TASK_FACTS
 
-__all__ = ["CompileSpec", "DType", "HandlerConfig", "HandlerSettings", "RungName", "TooLong", "load_config",
-           "load_config_file", "resolve_backend"]
+__all__ = ["Attention", "CompileSpec", "DType", "HandlerConfig", "HandlerSettings", "RungName", "TooLong",
+           "load_config", "load_config_file", "resolve_backend"]
 
 
 def load_config_file(path: Path) -> HandlerConfig:
@@ -73,7 +73,8 @@ def _settings(section: SettingsSection, compile_dynamic: bool | None) -> Handler
         task=section.task, model_dir=section.model_dir, max_length=section.max_length, too_long=section.too_long,
         dtype=section.dtype, int8_calibration=section.int8_calibration, ladder=section.ladder,
         shapes=shape_policy(section.shapes, TASK_FACTS[section.task].default_shapes, compile_dynamic),
-        quality_gate=section.quality_gate, freezing=section.freezing, threads=section.threads,
+        quality_gate=section.quality_gate, freezing=section.freezing, attention=section.attention,
+        threads=section.threads,
         compile_cache=section.compile_cache, max_runtime_failures=section.max_runtime_failures,
         max_inputs_per_request=section.max_inputs_per_request,
     )

@@ -13,7 +13,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictBool, 
 
 from handlers.config.fields import (PositiveInt, PositiveInts, Section, choose, did_you_mean, one_of, problem,
                                     problems, shown)
-from handlers.config.values import DType, HandlerSettings, RungName, TooLong
+from handlers.config.values import Attention, DType, HandlerSettings, RungName, TooLong
 from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
 from handlers.task_catalog import TASK_FACTS, TASK_NAMES
 
@@ -279,6 +279,13 @@ class SettingsSection(Section):
     """Inductor freezing (weights as constants, prepacked). Measured on CPU: bf16 forwards 16-22 % faster, but
     a warm start takes longer: the frozen graph comes from the FX graph cache, yet AOT autograd's cache skips it, so
     each worker traces and folds its weights again (MiniLM: 12 s against 7 s). Off unless the model YAML asks."""
+    attention: one_of(Attention) = DEFAULTS.attention
+    """The attention of the graphs the compile rungs trace. `auto`: on a CPU with AVX-512, non-causal attention
+    (embeddings, classification, token classification, question answering) runs pt2-handlers' fused kernel, built
+    with the machine's C++ compiler at the first load (~10 s, kept beside the compile cache); it takes a whole head
+    at once where PyTorch's CPU attention makes two small matrix calls per 32 queries (MiniLM's int8 forward at
+    8 x 128 tokens: 25 % faster). Elsewhere, and where it does not build: SDPA. Each rung that uses it passes the
+    quality gate against fp32 eager, which runs SDPA. `sdpa`: SDPA everywhere, as the model comes."""
     threads: Threads = Field(DEFAULTS.threads, json_schema_extra={"default": "auto"})
     """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it (fixed); else the workers on the
     usable cores (CPU affinity, capped by the container's CPU limit) share them forward by forward: a forward runs on

@@ -47,6 +47,13 @@ class TooLong(str, enum.Enum):
     TRUNCATE = "truncate"  # the first max_length tokens are read, the rest ignored
 
 
+class Attention(str, enum.Enum):
+    """Which attention the graphs torch.compile traces run (eager forwards always run transformers' SDPA)."""
+
+    AUTO = "auto"  # pt2-handlers' fused kernel where it fits and builds (AVX-512 CPUs), else SDPA
+    SDPA = "sdpa"  # transformers' SDPA function, as the model comes
+
+
 @dataclass(frozen=True)
 class CompileSpec:
     """The ``torch.compile`` arguments of one rung. ``enabled`` False means: do not compile."""
@@ -125,6 +132,7 @@ class HandlerSettings:
     shapes: ShapePolicy = field(default_factory=ShapePolicy)
     quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     freezing: bool = False  # faster forwards, slower warm restarts: the model YAML chooses
+    attention: Attention = Attention.AUTO
     threads: int | None = None  # None: the cores shared among minWorkers workers
     compile_cache: str | None = None  # None: TORCHINDUCTOR_CACHE_DIR, else torch's default
     max_runtime_failures: int = 3
