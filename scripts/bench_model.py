@@ -18,6 +18,8 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: handlers.quantize.stays_float's rule),
     pt2e-static-int8[-bf16]-measured-cpp (the int8 rung's form: that rule, less the float layers a per-layer
     measurement finds cheap, handlers.sensitivity; C++ wrapper),
+    compile-dynamic-bf16-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those two with attention as SDPA, where
+    every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
     which its rows report),
@@ -63,6 +65,7 @@ class Variant:
     float_linears: str | None = None  # pt2e: a regex of linear layers left unquantized
     cpp_wrapper: bool = False  # inductor's C++ wrapper (pt2.compile.options.cpp_wrapper)
     max_autotune: bool = False  # inductor's own GEMM templates raced against the libraries (options.max_autotune)
+    attention: str = "auto"  # compiled variants: pt2_handlers.attention (auto: the fused kernel where it applies)
 
 
 MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
@@ -104,6 +107,10 @@ VARIANTS = (
             cpp_wrapper=True),
     Variant("pt2e-static-int8-bf16-measured-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True),
+    # The shipped forms with attention as PyTorch's SDPA (pt2_handlers.attention: sdpa), against the fused kernel.
+    Variant("compile-dynamic-bf16-sdpa", "compile", "bfloat16", dynamic=True, attention="sdpa"),
+    Variant("pt2e-static-int8-bf16-measured-cpp-sdpa", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, attention="sdpa"),
     # max_autotune: inductor's C++ GEMM templates (AVX-512 / VNNI / AMX micro-kernels) raced against oneDNN and MKL
     # for each matmul at compile time; compiles far longer, once per cache.
     Variant("compile-dynamic-fp32-autotune", "compile", "float32", dynamic=True, max_autotune=True),
@@ -157,6 +164,8 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
     """A callable batch -> embeddings for ``variant``; raises Skip when it cannot run here."""
     import torch
 
+    if variant.kind in ("compile", "pt2e") and variant.attention == "auto":
+        module = with_fused_attention(module)
     if variant.kind == "onnxruntime":
         return onnxruntime_runner(module, batches, threads, quantized=variant.dtype == "int8")
     if variant.kind == "pt2e":
@@ -186,6 +195,21 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
         if variant.dynamic:
             return one_graph_runner(served)
     return lambda batch: served(**batch)
+
+
+def with_fused_attention(module: Any) -> Any:
+    """A copy of ``module`` whose compiled graphs run the fused attention kernel where the handler's would
+    (handlers.fused_attention; eager forwards stay on SDPA)."""
+    import torch
+
+    from handlers import fused_attention
+
+    copied = copy.deepcopy(module)
+    outcome = fused_attention.use_in_compiled_graphs(
+        copied.encoder, torch.device("cpu"), Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / fused_attention.DIRECTORY,
+        wanted=True, causal=False, backends={"inductor"})
+    log(f"attention in compiled graphs: {outcome.describe()['kernel']} ({outcome.reason})")
+    return copied
 
 
 def compile_as_rung(module: Any, variant: Variant) -> Any:
