@@ -56,14 +56,17 @@ class Outcome:
 def use_in_compiled_graphs(model: torch.nn.Module, device: torch.device, build_dir: Path | None, *, wanted: bool,
                            causal: bool, backends: Collection[str]) -> Outcome:
     """Point ``model`` (a transformers model using SDPA) at the fused kernel for what is traced from now on, if it
-    is ``wanted``, the model's attention is not ``causal``, inductor alone compiles it (``backends``: those of the
-    compile rungs that can run), and the kernel builds into ``build_dir`` and loads here; else leave it as it is."""
+    is ``wanted``, the model's attention is not ``causal``, only torch's own backends compile it (``backends``: those
+    of the compile rungs that can run), and the kernel builds into ``build_dir`` and loads here; else leave it."""
     why_not = (_why_not(model, device, wanted, causal) or _why_not_traced(build_dir, backends) or unavailable_here()
                or _why_not_loaded(build_dir))
     if why_not:
         return Outcome(False, why_not)
     _register_with_transformers()
-    model.set_attn_implementation(IMPLEMENTATION)
+    try:
+        model.set_attn_implementation(IMPLEMENTATION)
+    except (ValueError, AttributeError, NotImplementedError) as exc:  # an architecture without attention functions
+        return Outcome(False, f"the model takes no attention function ({_first_line(exc)}): SDPA")
     return Outcome(True, "non-causal attention in compiled graphs runs pt2-handlers' fused kernel; eager forwards "
                          "run SDPA")
 
