@@ -120,6 +120,17 @@ void store_row(const Args& a, int64_t at, const float* values, int64_t n) {
   }
 }
 
+// c[r] = sum over t < n of a[r * a_stride + t] * b[t * b_stride + (0..15)], for kRows rows of a: one 16-wide column
+// block of a small matrix product (queries x keys^T, then probabilities x values).
+inline void rows_times_block(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t n,
+                             __m512* c) {
+  for (int64_t r = 0; r < kRows; r++) c[r] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t++) {
+    const __m512 column = _mm512_loadu_ps(b + t * b_stride);
+    for (int64_t r = 0; r < kRows; r++) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * a_stride + t]), column, c[r]);
+  }
+}
+
 // float32 math (16-wide FMAs), for float32 inputs or a head size that is not a multiple of 32. D % 16 == 0.
 void head_fp32(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) {
   const int64_t S = a.S, L = a.L, D = a.D, Lp = (L + 15) & ~int64_t{15};
@@ -140,11 +151,7 @@ void head_fp32(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
     }
     for (int64_t j = 0; j < Lp; j += 16) {
       __m512 c[kRows];
-      for (int64_t r = 0; r < kRows; r++) c[r] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d++) {
-        const __m512 key = _mm512_loadu_ps(kt + d * Lp + j);
-        for (int64_t r = 0; r < kRows; r++) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * D + d]), key, c[r]);
-      }
+      rows_times_block(qf, D, kt + j, Lp, D, c);
       for (int64_t r = 0; r < kRows; r++) _mm512_storeu_ps(s + r * Lp + j, c[r]);
     }
     float inverse[kRows];
@@ -153,11 +160,7 @@ void head_fp32(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
     }
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 o[kRows];
-      for (int64_t r = 0; r < kRows; r++) o[r] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < Lp; j++) {
-        const __m512 value = _mm512_loadu_ps(vf + j * D + d0);
-        for (int64_t r = 0; r < kRows; r++) o[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r * Lp + j]), value, o[r]);
-      }
+      rows_times_block(s, Lp, vf + d0, D, Lp, o);
       for (int64_t r = 0; r < rows; r++) {
         float row[16];
         _mm512_storeu_ps(row, _mm512_mul_ps(o[r], _mm512_set1_ps(inverse[r])));
