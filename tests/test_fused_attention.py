@@ -26,9 +26,7 @@ needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=str(k
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     """The kernel built and loaded, whatever torch's dispatch level (the AVX2-held stage runs these too)."""
-    if not fused_attention._registered():
-        torch.ops.load_library(str(fused_attention.build(tmp_path_factory.mktemp("fused-attention"))))
-        torch.library.register_fake("pt2_handlers::fused_attention")(fused_attention._shape_of_output)
+    assert fused_attention._why_not_loaded(tmp_path_factory.mktemp("fused-attention")) is None
     return torch.ops.pt2_handlers.fused_attention
 
 
