@@ -4,9 +4,10 @@ int8 left out, visibly. Run on a GPU machine (with a CUDA build of torch) as:
 
     pytest -m gpu
 
-Last run 2026-11-27 on an NVIDIA H100 (torch 2.11.0+cu130, transformers 5.24.0): 9 passed in 270 s. Its first
-run found the token-classification pipeline moving a CPU worker's model to the GPU (fixed; a CPU-side test of it is
-in tests/test_token_classification.py).
+Last run 2026-11-27 (stop 44) on an NVIDIA H100 (torch 2.11.0+cu130, transformers 5.24.0): 9 passed in 352 s;
+inductor recorded 6 CUDA graphs for the bucketed engine and skipped none, and every shipped YAML's graphs kept SDPA
+(the fused attention kernel is CPU code). Its first run (stop 40) found the token-classification pipeline moving a
+CPU worker's model to the GPU (fixed; a CPU-side test of it is in tests/test_token_classification.py).
 
 Deselected (not skipped) where there is no CUDA device: see tests/conftest.py.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from torch._dynamo.utils import counters
 
 from handlers.config import CompileSpec, DType, load_config
 from handlers.engine import Engine
@@ -70,6 +72,22 @@ def test_a_replay_never_overwrites_an_earlier_answer(gpu_engine):
     assert cosine.min() >= 0.9999
     runtime = gpu_engine.describe()["optimization"]["runtime"]
     assert (runtime["compiles_after_ready"], runtime["eager_batches"], runtime["runtime_failures"]) == (0, 0, 0)
+    # answers alone cannot tell a replayed CUDA graph from inductor quietly running its kernels without one
+    recorded, skips = cuda_graphs_recorded(), counters["inductor"]["cudagraph_skips"]
+    print("CUDA graphs recorded:", recorded, "inductor's cudagraph skips:", skips)
+    assert recorded >= 1 and skips == 0, (recorded, skips)
+
+
+def cuda_graphs_recorded() -> int:
+    """The CUDA graphs inductor's cudagraph trees hold for this thread on CUDA (the engine runs in the test's)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(CUDA.index, create_if_none_exists=False)
+
+    def count(nodes) -> int:
+        return sum(1 + count([child for children in node.children.values() for child in children]) for node in nodes)
+
+    return 0 if manager is None else count([node for roots in manager.roots.values() for node in roots])
 
 
 class Mlp(torch.nn.Module):
@@ -157,6 +175,9 @@ def test_each_shipped_yaml_compiles_on_a_gpu_and_answers_as_fp32_eager_on_the_cp
                     for a in optimization["attempts"]))
     assert (optimization["active"], optimization["device"]) == ("compile", str(CUDA)), optimization["attempts"]
     assert optimization["dtype"] in ("bfloat16", "float16", "float32"), optimization
+    attention = optimization["attention"]  # the fused kernel is CPU code: a GPU's graphs keep SDPA, and say why
+    expected = "causal attention: SDPA" if task == "text-generation" else "the kernel runs on CPU, this worker on cuda"
+    assert attention["kernel"] == "sdpa" and attention["reason"].startswith(expected), attention
     got = gpu.predict(bodies)
     want = shipped_engine(task, model_dir, torch.device("cpu"), eager=True).predict(bodies)
     assert_same_answer(got, want)
