@@ -54,11 +54,13 @@ inline float load(bool bf16, const void* p, int64_t i) {
   return bf16 ? bf16_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
-// e^x for x <= 0 (scores less their row's maximum), 16 at a time: 2^(x log2 e) as an exponent and a polynomial for
-// the fraction (relative error ~1e-7).
+inline int64_t round_up(int64_t n, int64_t width) { return (n + width - 1) / width * width; }
+
+// e^x for x <= 0 (scores less their row's maximum; -inf for masked keys gives exactly 0), 16 at a time:
+// 2^(x log2 e) as a power of two (scalef) times a polynomial for the fraction (relative error ~1e-7).
 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  // below -160 (base 2) the power underflows to 0 exactly, and -inf takes no NaN on the way
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-160.0f));
   const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, whole);
   __m512 p = _mm512_set1_ps(1.5353362e-4f);
@@ -68,56 +70,108 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(power));
+  return _mm512_scalef_ps(p, whole);
 }
 
-// Row i's scores s[0, L) -> probabilities in place, 0 for masked keys and up to Lp (a multiple of 16; s has room);
-// returns 1 / their sum (0 where every key is masked).
-float softmax_row(const Args& a, int64_t b, int64_t h, int64_t i, float* s, int64_t L, int64_t Lp) {
-  const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = L; j < Lp; j++) s[j] = -INFINITY;
-  if (a.mask_kind != 0) {
-    const int64_t at = b * a.ms[0] + h * a.ms[1] + i * a.ms[2], step = a.ms[3];
+// The keys one head computes, and the bias added to their scores: 0 or the mask's value, -inf where a key must not
+// be attended to. When the mask is the same for every query (a padding mask, the usual case) the bias is one row
+// for the whole head and the keys past the last attended one are skipped: they would contribute exactly nothing.
+struct Keys {
+  int64_t used;    // keys [0, used) are read
+  int64_t padded;  // used rounded up to the block width; keys [used, padded) are zeros with a bias of -inf
+  bool per_query;  // the mask varies across queries: each row's bias is read from it (row_bias)
+};
+
+Keys plan_keys(const Args& a, int64_t b, int64_t h, int64_t width, float* bias) {
+  const int64_t L = a.L;
+  Keys keys{L, 0, a.mask_kind != 0 && a.ms[2] != 0};
+  if (a.mask_kind == 0 || keys.per_query) {
+    std::fill(bias, bias + L, 0.0f);
+  } else {
+    const int64_t at = b * a.ms[0] + h * a.ms[1], step = a.ms[3];
     if (a.mask_kind == 1) {
       const bool* m = static_cast<const bool*>(a.mask) + at;
-      if (step == 1) {  // the usual layout: one row of the mask per query
-        for (int64_t j = 0; j < L; j++) s[j] = m[j] ? s[j] : -INFINITY;
-      } else {
-        for (int64_t j = 0; j < L; j++) s[j] = m[j * step] ? s[j] : -INFINITY;
-      }
+      for (int64_t j = 0; j < L; j++) bias[j] = m[j * step] ? 0.0f : -INFINITY;
     } else {
       const float* m = static_cast<const float*>(a.mask) + at;
-      for (int64_t j = 0; j < L; j++) s[j] += m[j * step];
+      for (int64_t j = 0; j < L; j++) bias[j] = m[j * step];
     }
+    while (keys.used > 0 && bias[keys.used - 1] == -INFINITY) keys.used--;
   }
-  __m512 top = minus_infinity;
-  for (int64_t j = 0; j < Lp; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-  const float row_top = _mm512_reduce_max_ps(top);
-  if (row_top == -INFINITY) {
-    for (int64_t j = 0; j < Lp; j++) s[j] = 0.0f;
-    return 0.0f;
-  }
-  const __m512 shift = _mm512_set1_ps(row_top);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < Lp; j += 16) {
-    const __m512 x = _mm512_loadu_ps(s + j);
-    // masked keys (-inf) to 0 exactly, not e^-87
-    const __mmask16 live = _mm512_cmp_ps_mask(x, minus_infinity, _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(x, shift)));
-    _mm512_storeu_ps(s + j, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return 1.0f / _mm512_reduce_add_ps(sum);
+  keys.padded = round_up(keys.used, width);
+  std::fill(bias + keys.used, bias + keys.padded, -INFINITY);
+  return keys;
 }
 
-void store_row(const Args& a, int64_t at, const float* values, int64_t n) {
+// Query i's bias where the mask varies across queries; keys [L, padded) get -inf.
+void row_bias(const Args& a, int64_t b, int64_t h, int64_t i, int64_t padded, float* bias) {
+  const int64_t at = b * a.ms[0] + h * a.ms[1] + i * a.ms[2], step = a.ms[3];
+  if (a.mask_kind == 1) {
+    const bool* m = static_cast<const bool*>(a.mask) + at;
+    for (int64_t j = 0; j < a.L; j++) bias[j] = m[j * step] ? 0.0f : -INFINITY;
+  } else {
+    const float* m = static_cast<const float*>(a.mask) + at;
+    for (int64_t j = 0; j < a.L; j++) bias[j] = m[j * step];
+  }
+  std::fill(bias + a.L, bias + padded, -INFINITY);
+}
+
+// The bias rows of a block of kRows queries from i0 (rows past S repeat the last query, so every row is finite):
+// the head's own row, or each query's, written to rows_buffer.
+void block_biases(const Args& a, int64_t b, int64_t h, int64_t i0, const Keys& keys, const float* head_bias,
+                  float* rows_buffer, const float* biases[kRows]) {
+  for (int64_t r = 0; r < kRows; r++) {
+    if (!keys.per_query) {
+      biases[r] = head_bias;
+      continue;
+    }
+    float* row = rows_buffer + r * keys.padded;
+    row_bias(a, b, h, std::min(i0 + r, a.S - 1), keys.padded, row);
+    biases[r] = row;
+  }
+}
+
+// One 16-wide block of a row's scores: the products times scale plus the bias, kept and folded into the row's max.
+inline void finish_scores(__m512 products, float scale, const float* bias, float* scores, __m512& top) {
+  const __m512 s = _mm512_fmadd_ps(products, _mm512_set1_ps(scale), _mm512_loadu_ps(bias));
+  _mm512_storeu_ps(scores, s);
+  top = _mm512_max_ps(top, s);
+}
+
+// Row scores s[0, n) with maximum top -> unnormalized probabilities e^(s - top), written by put(j, e) 16 at a time;
+// returns 1 / their sum, 0 where the query attends to nothing (its probabilities all 0).
+template <typename Put>
+float exponentiate(const float* s, int64_t n, __m512 top, Put put) {
+  const float row_top = _mm512_reduce_max_ps(top);
+  const __m512 shift = _mm512_set1_ps(row_top == -INFINITY ? 0.0f : row_top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift));
+    put(j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return row_top == -INFINITY ? 0.0f : 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// 16 output values (one query, 16 of its head's dims) times 1 / the row's sum, in the output's dtype.
+inline void store16(const Args& a, int64_t at, __m512 values) {
   if (a.out_bf16) {
     uint16_t* out = static_cast<uint16_t*>(a.out) + at;
-    for (int64_t d = 0; d < n; d++) out[d] = float_to_bf16(values[d]);
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(values));
+#else
+    alignas(64) float row[16];
+    _mm512_store_ps(row, values);
+    for (int d = 0; d < 16; d++) out[d] = float_to_bf16(row[d]);
+#endif
   } else {
-    std::memcpy(static_cast<float*>(a.out) + at, values, n * sizeof(float));
+    _mm512_storeu_ps(static_cast<float*>(a.out) + at, values);
   }
+}
+
+void zero_head(const Args& a, int64_t b, int64_t h) {  // a head whose every query attends to nothing
+  for (int64_t i = 0; i < a.S; i++)
+    for (int64_t d = 0; d < a.D; d += 16) store16(a, b * a.os[0] + h * a.os[1] + i * a.os[2] + d, _mm512_setzero_ps());
 }
 
 // c[r] = sum over t < n of a[r * a_stride + t] * b[t * b_stride + (0..15)], for kRows rows of a: one 16-wide column
@@ -133,39 +187,45 @@ inline void rows_times_block(const float* a, int64_t a_stride, const float* b, i
 
 // float32 math (16-wide FMAs), for float32 inputs or a head size that is not a multiple of 32. D % 16 == 0.
 void head_fp32(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) {
-  const int64_t S = a.S, L = a.L, D = a.D, Lp = (L + 15) & ~int64_t{15};
-  buffer.resize(2 * Lp * D + kRows * Lp + kRows * D);
-  float *kt = buffer.data(), *vf = kt + Lp * D, *s = vf + Lp * D, *qf = s + kRows * Lp;
-  for (int64_t j = 0; j < Lp; j++) {  // keys transposed [D][Lp], values [Lp][D], zero past L
+  const int64_t S = a.S, D = a.D, Lmax = round_up(a.L, 16);
+  buffer.resize(Lmax + kRows * Lmax + 2 * Lmax * D + kRows * Lmax + kRows * D);
+  float *head_bias = buffer.data(), *rows_bias = head_bias + Lmax, *kt = rows_bias + kRows * Lmax;
+  const Keys keys = plan_keys(a, b, h, 16, head_bias);
+  const int64_t Lp = keys.padded;
+  if (Lp == 0) return zero_head(a, b, h);
+  float *vf = kt + Lp * D, *s = vf + Lp * D, *qf = s + kRows * Lp;
+  for (int64_t j = 0; j < Lp; j++) {  // keys transposed [D][Lp], values [Lp][D], zero past the keys used
     const int64_t ko = b * a.ks[0] + h * a.ks[1] + j * a.ks[2], vo = b * a.vs[0] + h * a.vs[1] + j * a.vs[2];
     for (int64_t d = 0; d < D; d++) {
-      kt[d * Lp + j] = j < L ? load(a.k_bf16, a.k, ko + d) : 0.0f;
-      vf[j * D + d] = j < L ? load(a.v_bf16, a.v, vo + d) : 0.0f;
+      kt[d * Lp + j] = j < keys.used ? load(a.k_bf16, a.k, ko + d) : 0.0f;
+      vf[j * D + d] = j < keys.used ? load(a.v_bf16, a.v, vo + d) : 0.0f;
     }
   }
+  const float* biases[kRows];
   for (int64_t i0 = 0; i0 < S; i0 += kRows) {
     const int64_t rows = std::min(kRows, S - i0);
     for (int64_t r = 0; r < kRows; r++) {
-      const int64_t qo = b * a.qs[0] + h * a.qs[1] + (i0 + std::min(r, rows - 1)) * a.qs[2];
+      const int64_t qo = b * a.qs[0] + h * a.qs[1] + std::min(i0 + r, S - 1) * a.qs[2];
       for (int64_t d = 0; d < D; d++) qf[r * D + d] = load(a.q_bf16, a.q, qo + d) * a.scale;
     }
+    block_biases(a, b, h, i0, keys, head_bias, rows_bias, biases);
+    __m512 top[kRows];
+    for (int64_t r = 0; r < kRows; r++) top[r] = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < Lp; j += 16) {
       __m512 c[kRows];
       rows_times_block(qf, D, kt + j, Lp, D, c);
-      for (int64_t r = 0; r < kRows; r++) _mm512_storeu_ps(s + r * Lp + j, c[r]);
+      for (int64_t r = 0; r < kRows; r++) finish_scores(c[r], 1.0f, biases[r] + j, s + r * Lp + j, top[r]);
     }
     float inverse[kRows];
-    for (int64_t r = 0; r < rows; r++) {
-      inverse[r] = softmax_row(a, b, h, i0 + r, s + r * Lp, L, Lp);
+    for (int64_t r = 0; r < kRows; r++) {
+      float* row = s + r * Lp;
+      inverse[r] = exponentiate(row, Lp, top[r], [row](int64_t j, __m512 e) { _mm512_storeu_ps(row + j, e); });
     }
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 o[kRows];
       rows_times_block(s, Lp, vf + d0, D, Lp, o);
-      for (int64_t r = 0; r < rows; r++) {
-        float row[16];
-        _mm512_storeu_ps(row, _mm512_mul_ps(o[r], _mm512_set1_ps(inverse[r])));
-        store_row(a, b * a.os[0] + h * a.os[1] + (i0 + r) * a.os[2] + d0, row, 16);
-      }
+      for (int64_t r = 0; r < rows; r++)
+        store16(a, b * a.os[0] + h * a.os[1] + (i0 + r) * a.os[2] + d0, _mm512_mul_ps(o[r], _mm512_set1_ps(inverse[r])));
     }
   }
 }
@@ -183,10 +243,14 @@ void row_as_bf16(bool bf16, const void* p, int64_t at, int64_t D, uint16_t* row)
 }
 
 void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) {
-  const int64_t S = a.S, L = a.L, D = a.D, Lp = (L + 31) & ~int64_t{31}, pairs = D / 2;
-  buffer.resize(Lp * D + kRows * Lp + kRows * Lp / 2 + kRows * pairs + D);
+  const int64_t S = a.S, D = a.D, Lmax = round_up(a.L, 32), pairs = D / 2;
+  buffer.resize(Lmax + kRows * Lmax + Lmax * D + kRows * Lmax + kRows * Lmax / 2 + kRows * pairs);
+  float *head_bias = buffer.data(), *rows_bias = head_bias + Lmax;
+  const Keys keys = plan_keys(a, b, h, 32, head_bias);
+  const int64_t Lp = keys.padded;
+  if (Lp == 0) return zero_head(a, b, h);
   // keys as pairs along d [D/2][Lp], values as pairs along keys [Lp/2][D], scores, probabilities as pairs, queries
-  uint32_t* kp = reinterpret_cast<uint32_t*>(buffer.data());
+  uint32_t* kp = reinterpret_cast<uint32_t*>(rows_bias + kRows * Lmax);
   uint32_t* vp = kp + pairs * Lp;
   float* s = reinterpret_cast<float*>(vp + Lp / 2 * D);
   uint32_t* pp = reinterpret_cast<uint32_t*>(s + kRows * Lp);
@@ -199,7 +263,7 @@ void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
   }
   const __m512i low_pairs = _mm512_load_si512(low), high_pairs = _mm512_load_si512(high);
   for (int64_t j = 0; j < Lp; j++) {
-    if (j < L) {
+    if (j < keys.used) {
       row_as_bf16(a.k_bf16, a.k, b * a.ks[0] + h * a.ks[1] + j * a.ks[2], D, key_row);
       row_as_bf16(a.v_bf16, a.v, b * a.vs[0] + h * a.vs[1] + j * a.vs[2], D, value_rows[j & 1]);
     } else {
@@ -217,12 +281,16 @@ void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
       }
     }
   }
+  const float* biases[kRows];
   for (int64_t i0 = 0; i0 < S; i0 += kRows) {
     const int64_t rows = std::min(kRows, S - i0);
     for (int64_t r = 0; r < kRows; r++) {
-      const int64_t qo = b * a.qs[0] + h * a.qs[1] + (i0 + std::min(r, rows - 1)) * a.qs[2];
+      const int64_t qo = b * a.qs[0] + h * a.qs[1] + std::min(i0 + r, S - 1) * a.qs[2];
       row_as_bf16(a.q_bf16, a.q, qo, D, reinterpret_cast<uint16_t*>(qp + r * pairs));
     }
+    block_biases(a, b, h, i0, keys, head_bias, rows_bias, biases);
+    __m512 top[kRows];
+    for (int64_t r = 0; r < kRows; r++) top[r] = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < Lp; j += 32) {
       __m512 c[kRows][2];
       for (int64_t r = 0; r < kRows; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
@@ -235,24 +303,17 @@ void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
           c[r][1] = _mm512_dpbf16_ps(c[r][1], query, k1);
         }
       }
-      const __m512 scale = _mm512_set1_ps(a.scale);
       for (int64_t r = 0; r < kRows; r++) {
-        _mm512_storeu_ps(s + r * Lp + j, _mm512_mul_ps(c[r][0], scale));
-        _mm512_storeu_ps(s + r * Lp + j + 16, _mm512_mul_ps(c[r][1], scale));
+        finish_scores(c[r][0], a.scale, biases[r] + j, s + r * Lp + j, top[r]);
+        finish_scores(c[r][1], a.scale, biases[r] + j + 16, s + r * Lp + j + 16, top[r]);
       }
     }
-    float inverse[kRows] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float inverse[kRows];
     for (int64_t r = 0; r < kRows; r++) {
-      float* scores = s + r * Lp;
-      if (r < rows) {
-        inverse[r] = softmax_row(a, b, h, i0 + r, scores, L, Lp);
-      } else {
-        for (int64_t j = 0; j < Lp; j++) scores[j] = 0.0f;
-      }
       uint16_t* probabilities = reinterpret_cast<uint16_t*>(pp + r * Lp / 2);
-      for (int64_t j = 0; j < Lp; j += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + j),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + j)));
+      inverse[r] = exponentiate(s + r * Lp, Lp, top[r], [probabilities](int64_t j, __m512 e) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + j), (__m256i)_mm512_cvtneps_pbh(e));
+      });
     }
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       __m512 o[kRows][2];
@@ -267,10 +328,9 @@ void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
         }
       }
       for (int64_t r = 0; r < rows; r++) {
-        float row[32];
-        _mm512_storeu_ps(row, _mm512_mul_ps(o[r][0], _mm512_set1_ps(inverse[r])));
-        _mm512_storeu_ps(row + 16, _mm512_mul_ps(o[r][1], _mm512_set1_ps(inverse[r])));
-        store_row(a, b * a.os[0] + h * a.os[1] + (i0 + r) * a.os[2] + d0, row, 32);
+        const int64_t at = b * a.os[0] + h * a.os[1] + (i0 + r) * a.os[2] + d0;
+        store16(a, at, _mm512_mul_ps(o[r][0], _mm512_set1_ps(inverse[r])));
+        store16(a, at + 16, _mm512_mul_ps(o[r][1], _mm512_set1_ps(inverse[r])));
       }
     }
   }

@@ -48,7 +48,7 @@ def sdpa(q, k, v, mask, scale) -> torch.Tensor:
 @pytest.mark.parametrize("size", [16, 32, 48, 64])
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.bfloat16,) * 3,
                                     (torch.bfloat16, torch.float32, torch.float32)], ids=["fp32", "bf16", "mixed"])
-@pytest.mark.parametrize("mask_kind", ["none", "padding", "full-bool", "additive"])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "full-bool", "additive", "holes", "additive-inf"])
 @pytest.mark.parametrize("lengths", [(1, 1), (7, 7), (37, 37), (128, 128), (5, 70)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_kernel_equals_sdpa(kernel, size, dtypes, mask_kind, lengths):
     batch, queries, keys, n_heads = 3, *lengths, 2
@@ -60,7 +60,10 @@ def test_kernel_equals_sdpa(kernel, size, dtypes, mask_kind, lengths):
             "padding": padding[:, None, None, :],  # one row per text, as handlers.fused_attention.mask gives
             "full-bool": padding[:, None, None, :].expand(batch, 1, queries, keys).contiguous(),
             "additive": torch.where(padding, 0.0, -1e4)[:, None, None, :].expand(batch, n_heads, queries, keys)
-            .to(dtypes[0])}[mask_kind]
+            .to(dtypes[0]),
+            # keys masked inside the text, not only at its end: those past the last attended key are skipped
+            "holes": (padding & (torch.arange(keys) % 3 != 1))[:, None, None, :],
+            "additive-inf": torch.where(padding, 0.0, -torch.inf)[:, None, None, :]}[mask_kind]
     got = kernel(q, k, v, mask, size ** -0.5)
     want = sdpa(q, k, v, mask, size ** -0.5)
     assert got.shape == (batch, queries, n_heads, size) and got.dtype == dtypes[0] and got.is_contiguous()
@@ -76,6 +79,19 @@ def test_a_query_that_may_attend_to_nothing_gets_zeros(kernel):
     got = kernel(q, k, v, mask, 0.2)
     assert torch.equal(got[0, 2], torch.zeros(1, 32))
     torch.testing.assert_close(got[0, [0, 1, 3]], sdpa(q, k, v, mask, 0.2)[0, [0, 1, 3]], atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_text_whose_keys_are_all_masked_gets_zeros(kernel, dtype):
+    """With one mask row per text the kernel skips the keys past the last attended one: here all of them."""
+    q, k, v = (heads(2, 40, 2, 32, dtype, seed) for seed in (1, 2, 3))
+    mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    mask[1] = False
+    got = kernel(q, k, v, mask, 0.2)
+    assert torch.equal(got[1], torch.zeros(40, 2, 32, dtype=dtype))
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[0].float(), sdpa(q, k, v, mask, 0.2)[0], atol=tolerance, rtol=tolerance)
 
 
 @needs_kernel
