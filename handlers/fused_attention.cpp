@@ -231,31 +231,28 @@ void head_fp32(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
 }
 
 #if defined(__AVX512BF16__)
-// bf16 dot products (two products per lane and instruction), float32 sums and softmax. D % 32 == 0.
-void row_as_bf16(bool bf16, const void* p, int64_t at, int64_t D, uint16_t* row) {
-  if (bf16) {
-    std::memcpy(row, static_cast<const uint16_t*>(p) + at, D * 2);
-    return;
-  }
-  const float* f = static_cast<const float*>(p) + at;
-  for (int64_t d = 0; d < D; d += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(f + d)));
-}
-
+// Queries and keys in bf16 (two products per lane and instruction, exact, summed in float32), float32 softmax. Values
+// in bf16 too (kBf16Values): probabilities rounded to bf16 for the same instruction, as SDPA does in bf16. Values in
+// float32 (an int8 model's value projection kept in float): float32 probabilities times float32 values, as SDPA would
+// compute them once it promoted the rest. D % 32 == 0.
+template <bool kBf16Values>
 void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) {
   const int64_t S = a.S, D = a.D, Lmax = round_up(a.L, 32), pairs = D / 2;
-  buffer.resize(Lmax + kRows * Lmax + Lmax * D + kRows * Lmax + kRows * Lmax / 2 + kRows * pairs);
+  buffer.resize(Lmax + kRows * Lmax + Lmax * D / 2 + Lmax * D + kRows * Lmax + kRows * Lmax / 2 + kRows * pairs);
   float *head_bias = buffer.data(), *rows_bias = head_bias + Lmax;
   const Keys keys = plan_keys(a, b, h, 32, head_bias);
   const int64_t Lp = keys.padded;
   if (Lp == 0) return zero_head(a, b, h);
-  // keys as pairs along d [D/2][Lp], values as pairs along keys [Lp/2][D], scores, probabilities as pairs, queries
+  // keys as pairs along d [D/2][Lp]; values as pairs along keys [Lp/2][D] (bf16) or rows [Lp][D] (float32); scores;
+  // probabilities as pairs (bf16 values); queries as pairs
   uint32_t* kp = reinterpret_cast<uint32_t*>(rows_bias + kRows * Lmax);
   uint32_t* vp = kp + pairs * Lp;
-  float* s = reinterpret_cast<float*>(vp + Lp / 2 * D);
+  float* vf = reinterpret_cast<float*>(vp);
+  float* s = vf + (kBf16Values ? Lp * D / 2 : Lp * D);
   uint32_t* pp = reinterpret_cast<uint32_t*>(s + kRows * Lp);
   uint32_t* qp = pp + kRows * Lp / 2;
-  uint16_t key_row[512], value_rows[2][512];
+  const uint16_t* k = static_cast<const uint16_t*>(a.k);
+  uint16_t value_rows[2][512];
   alignas(64) uint16_t low[32], high[32];
   for (int t = 0; t < 16; t++) {
     low[2 * t] = t, low[2 * t + 1] = 32 + t;
@@ -263,15 +260,24 @@ void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
   }
   const __m512i low_pairs = _mm512_load_si512(low), high_pairs = _mm512_load_si512(high);
   for (int64_t j = 0; j < Lp; j++) {
-    if (j < keys.used) {
-      row_as_bf16(a.k_bf16, a.k, b * a.ks[0] + h * a.ks[1] + j * a.ks[2], D, key_row);
-      row_as_bf16(a.v_bf16, a.v, b * a.vs[0] + h * a.vs[1] + j * a.vs[2], D, value_rows[j & 1]);
+    const bool used = j < keys.used;
+    const uint32_t* key_pairs = reinterpret_cast<const uint32_t*>(k + b * a.ks[0] + h * a.ks[1] + j * a.ks[2]);
+    for (int64_t p = 0; p < pairs; p++) kp[p * Lp + j] = used ? key_pairs[p] : 0u;
+    const int64_t vo = b * a.vs[0] + h * a.vs[1] + j * a.vs[2];
+    if (!kBf16Values) {
+      float* row = vf + j * D;
+      if (used) {
+        std::memcpy(row, static_cast<const float*>(a.v) + vo, D * sizeof(float));
+      } else {
+        std::fill(row, row + D, 0.0f);
+      }
+      continue;
+    }
+    if (used) {
+      std::memcpy(value_rows[j & 1], static_cast<const uint16_t*>(a.v) + vo, D * 2);
     } else {
-      std::memset(key_row, 0, D * 2);
       std::memset(value_rows[j & 1], 0, D * 2);
     }
-    const uint32_t* key_pairs = reinterpret_cast<const uint32_t*>(key_row);
-    for (int64_t p = 0; p < pairs; p++) kp[p * Lp + j] = key_pairs[p];
     if (j & 1) {  // interleave rows j-1 and j: [d0 of j-1, d0 of j, d1 of j-1, ...]
       uint32_t* out = vp + (j / 2) * D;
       for (int64_t d = 0; d < D; d += 32) {
@@ -286,7 +292,7 @@ void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
     const int64_t rows = std::min(kRows, S - i0);
     for (int64_t r = 0; r < kRows; r++) {
       const int64_t qo = b * a.qs[0] + h * a.qs[1] + std::min(i0 + r, S - 1) * a.qs[2];
-      row_as_bf16(a.q_bf16, a.q, qo, D, reinterpret_cast<uint16_t*>(qp + r * pairs));
+      std::memcpy(qp + r * pairs, static_cast<const uint16_t*>(a.q) + qo, D * 2);
     }
     block_biases(a, b, h, i0, keys, head_bias, rows_bias, biases);
     __m512 top[kRows];
@@ -310,10 +316,25 @@ void head_bf16(const Args& a, int64_t b, int64_t h, std::vector<float>& buffer) 
     }
     float inverse[kRows];
     for (int64_t r = 0; r < kRows; r++) {
+      float* row = s + r * Lp;
       uint16_t* probabilities = reinterpret_cast<uint16_t*>(pp + r * Lp / 2);
-      inverse[r] = exponentiate(s + r * Lp, Lp, top[r], [probabilities](int64_t j, __m512 e) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + j), (__m256i)_mm512_cvtneps_pbh(e));
+      inverse[r] = exponentiate(row, Lp, top[r], [row, probabilities](int64_t j, __m512 e) {
+        if (kBf16Values) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + j), (__m256i)_mm512_cvtneps_pbh(e));
+        } else {
+          _mm512_storeu_ps(row + j, e);
+        }
       });
+    }
+    if (!kBf16Values) {
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 o[kRows];
+        rows_times_block(s, Lp, vf + d0, D, Lp, o);
+        for (int64_t r = 0; r < rows; r++)
+          store16(a, b * a.os[0] + h * a.os[1] + (i0 + r) * a.os[2] + d0,
+                  _mm512_mul_ps(o[r], _mm512_set1_ps(inverse[r])));
+      }
+      continue;
     }
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       __m512 o[kRows][2];
@@ -380,17 +401,18 @@ at::Tensor fused_attention(const at::Tensor& query, const at::Tensor& key, const
   a.os[0] = out.stride(0), a.os[1] = out.stride(2), a.os[2] = out.stride(1);
   a.scale = static_cast<float>(scale);
   a.q_bf16 = is_bf16(q), a.k_bf16 = is_bf16(k), a.v_bf16 = is_bf16(v), a.out_bf16 = is_bf16(out);
+  // bf16 dot products only for what is bf16 already: a float32 input is never rounded (SDPA would promote the rest)
 #if defined(__AVX512BF16__)
-  const bool bf16_dots = D % 32 == 0 && (a.q_bf16 || a.k_bf16 || a.v_bf16);
+  const bool bf16_scores = D % 32 == 0 && a.q_bf16 && a.k_bf16;
 #else
-  const bool bf16_dots = false;
+  const bool bf16_scores = false;
 #endif
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
     for (int64_t t = begin; t < end; t++) {
 #if defined(__AVX512BF16__)
-      if (bf16_dots) {
-        head_bf16(a, t / H, t % H, buffer);
+      if (bf16_scores) {
+        a.v_bf16 ? head_bf16<true>(a, t / H, t % H, buffer) : head_bf16<false>(a, t / H, t % H, buffer);
         continue;
       }
 #endif
