@@ -196,6 +196,8 @@ def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> Non
         if states.count("READY") >= count:
             print(f"[start] {name}: {count} worker(s) READY after {elapsed:.0f}s", flush=True)
             return
+        if exited := server_exited(server.run_dir):  # e.g. a port taken: the workers would never come
+            raise RuntimeError(f"TorchServe exited while {name} was loading: {exited} (see {server.run_dir})")
         failure = load_failure(log, log_offset, name)
         if failure:  # deterministic (an invalid YAML, no safetensors): TorchServe would retry it with backoff forever
             raise RuntimeError(f"{name} failed to load: {failure}. TorchServe keeps retrying it with backoff; fix the "
@@ -207,6 +209,23 @@ def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> Non
                   f"{last_rung_line(log, log_offset)}", flush=True)
             last_print = elapsed
         time.sleep(1)
+
+
+def server_exited(run_dir: Path) -> str | None:
+    """Why the TorchServe started in ``run_dir`` is gone (the last error line it printed), or None while its process
+    lives (or has not written its pid file yet)."""
+    pid_file = run_dir / "tmp" / ".model_server.pid"
+    try:
+        os.kill(int(pid_file.read_text().strip()), 0)
+        return None
+    except (FileNotFoundError, ValueError, PermissionError):
+        return None
+    except ProcessLookupError:
+        pass
+    out = run_dir / "torchserve.out"
+    lines = out.read_text(errors="replace").splitlines() if out.is_file() else []
+    errors = [line.strip() for line in lines if re.match(r"[\w.$]+(Exception|Error): ", line)]  # not "Caused by"
+    return errors[-1] if errors else "no error printed"
 
 
 CRASHES_BEFORE_GIVING_UP = 3  # a worker that dies while loading this often will not come up by itself
@@ -243,9 +262,25 @@ def last_rung_line(log: Path, offset: int) -> str:
     return f" -- {re.sub(r'^.*?rung ', 'rung ', lines[-1])}" if lines else ""
 
 
-def stop(run_dir: Path) -> None:
+def stop(run_dir: Path, timeout: float = 30) -> None:
+    """``torchserve --stop``, then wait (up to ``timeout``) until its process is gone: it returns first, and a
+    server started right after found the ports still taken."""
+    pid_file = run_dir / "tmp" / ".model_server.pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        pid = None
     torchserve = str(Path(sys.executable).parent / "torchserve")
     subprocess.run([torchserve, "--stop"], cwd=run_dir, env=server_env(run_dir), check=False)
+    deadline = time.monotonic() + timeout
+    while pid is not None and time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            return  # not ours to watch
+        time.sleep(0.2)
 
 
 def usage_hint(server: Server, name: str) -> str:

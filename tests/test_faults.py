@@ -9,6 +9,7 @@ register, with the reason in the model log, and must not leave workers restartin
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -115,3 +116,19 @@ def test_a_server_started_with_an_invalid_archive_says_why_at_once(tiny_bert_dir
         print(f"start.sh said why after {time.monotonic() - started:.0f}s")
     finally:
         tsctl.stop(run_dir)
+
+
+def test_a_server_that_cannot_bind_its_port_is_reported_not_waited_for(model_store, tmp_path):
+    """TorchServe exits when its inference port is taken (a server still shutting down, say); waiting for READY
+    then waited out its whole timeout (900 s in the benchmarks). start says why at once instead."""
+    config = tsctl.shifted_config(tmp_path, PORT_SHIFT + 2000)
+    port = int(tsctl.read_properties(config)["inference_address"].rsplit(":", 1)[1])
+    store = tmp_path / "store"
+    store.mkdir()
+    os.link(model_store / "minilm.mar", store / "minilm.mar")
+    started = time.monotonic()
+    with socket.create_server(("127.0.0.1", port)):
+        with pytest.raises(RuntimeError, match=r"TorchServe exited while minilm was loading: .*Failed to bind to "
+                                               rf"address: http://127\.0\.0\.1:{port}"):
+            tsctl.start(config, store, ["minilm=minilm.mar"], tmp_path / "run", timeout=300)
+    assert time.monotonic() - started < 120
