@@ -211,17 +211,28 @@ def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> Non
         time.sleep(1)
 
 
+def server_pid(run_dir: Path) -> int | None:
+    """The process of the TorchServe started in ``run_dir`` (its pid file is in the run's temp dir), if it wrote one."""
+    try:
+        return int((run_dir / "tmp" / ".model_server.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # no such process, or another user's under a reused pid
+        return True
+    return False
+
+
 def server_exited(run_dir: Path) -> str | None:
     """Why the TorchServe started in ``run_dir`` is gone (the last error line it printed), or None while its process
     lives (or has not written its pid file yet)."""
-    pid_file = run_dir / "tmp" / ".model_server.pid"
-    try:
-        os.kill(int(pid_file.read_text().strip()), 0)
+    pid = server_pid(run_dir)
+    if pid is None or not gone(pid):
         return None
-    except (FileNotFoundError, ValueError, PermissionError):
-        return None
-    except ProcessLookupError:
-        pass
     out = run_dir / "torchserve.out"
     lines = out.read_text(errors="replace").splitlines() if out.is_file() else []
     errors = [line.strip() for line in lines if re.match(r"[\w.$]+(Exception|Error): ", line)]  # not "Caused by"
@@ -265,21 +276,11 @@ def last_rung_line(log: Path, offset: int) -> str:
 def stop(run_dir: Path, timeout: float = 30) -> None:
     """``torchserve --stop``, then wait (up to ``timeout``) until its process is gone: it returns first, and a
     server started right after found the ports still taken."""
-    pid_file = run_dir / "tmp" / ".model_server.pid"
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        pid = None
+    pid = server_pid(run_dir)
     torchserve = str(Path(sys.executable).parent / "torchserve")
     subprocess.run([torchserve, "--stop"], cwd=run_dir, env=server_env(run_dir), check=False)
     deadline = time.monotonic() + timeout
-    while pid is not None and time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            return  # not ours to watch
+    while pid is not None and not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

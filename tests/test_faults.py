@@ -121,7 +121,7 @@ def test_a_server_started_with_an_invalid_archive_says_why_at_once(tiny_bert_dir
 def test_a_server_that_cannot_bind_its_port_is_reported_not_waited_for(model_store, tmp_path):
     """TorchServe exits when its inference port is taken (a server still shutting down, say); waiting for READY
     then waited out its whole timeout (900 s in the benchmarks). start says why at once instead."""
-    config = tsctl.shifted_config(tmp_path, PORT_SHIFT + 2000)
+    config = tsctl.shifted_config(tmp_path, PORT_SHIFT + 5000)  # +17000: no other test server there
     port = int(tsctl.read_properties(config)["inference_address"].rsplit(":", 1)[1])
     store = tmp_path / "store"
     store.mkdir()
