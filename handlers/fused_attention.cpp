@@ -82,20 +82,26 @@ struct Keys {
   bool per_query;  // the mask varies across queries: each row's bias is read from it (row_bias)
 };
 
+// The L mask entries of one row from element ``at`` as scores' biases: a bool mask's false -> -inf, true -> 0; a
+// float mask's values as they are.
+void mask_row_as_bias(const Args& a, int64_t at, float* bias) {
+  const int64_t step = a.ms[3];
+  if (a.mask_kind == 1) {
+    const bool* m = static_cast<const bool*>(a.mask) + at;
+    for (int64_t j = 0; j < a.L; j++) bias[j] = m[j * step] ? 0.0f : -INFINITY;
+  } else {
+    const float* m = static_cast<const float*>(a.mask) + at;
+    for (int64_t j = 0; j < a.L; j++) bias[j] = m[j * step];
+  }
+}
+
 Keys plan_keys(const Args& a, int64_t b, int64_t h, int64_t width, float* bias) {
   const int64_t L = a.L;
   Keys keys{L, 0, a.mask_kind != 0 && a.ms[2] != 0};
   if (a.mask_kind == 0 || keys.per_query) {
     std::fill(bias, bias + L, 0.0f);
   } else {
-    const int64_t at = b * a.ms[0] + h * a.ms[1], step = a.ms[3];
-    if (a.mask_kind == 1) {
-      const bool* m = static_cast<const bool*>(a.mask) + at;
-      for (int64_t j = 0; j < L; j++) bias[j] = m[j * step] ? 0.0f : -INFINITY;
-    } else {
-      const float* m = static_cast<const float*>(a.mask) + at;
-      for (int64_t j = 0; j < L; j++) bias[j] = m[j * step];
-    }
+    mask_row_as_bias(a, b * a.ms[0] + h * a.ms[1], bias);
     while (keys.used > 0 && bias[keys.used - 1] == -INFINITY) keys.used--;
   }
   keys.padded = round_up(keys.used, width);
@@ -105,14 +111,7 @@ Keys plan_keys(const Args& a, int64_t b, int64_t h, int64_t width, float* bias) 
 
 // Query i's bias where the mask varies across queries; keys [L, padded) get -inf.
 void row_bias(const Args& a, int64_t b, int64_t h, int64_t i, int64_t padded, float* bias) {
-  const int64_t at = b * a.ms[0] + h * a.ms[1] + i * a.ms[2], step = a.ms[3];
-  if (a.mask_kind == 1) {
-    const bool* m = static_cast<const bool*>(a.mask) + at;
-    for (int64_t j = 0; j < a.L; j++) bias[j] = m[j * step] ? 0.0f : -INFINITY;
-  } else {
-    const float* m = static_cast<const float*>(a.mask) + at;
-    for (int64_t j = 0; j < a.L; j++) bias[j] = m[j * step];
-  }
+  mask_row_as_bias(a, b * a.ms[0] + h * a.ms[1] + i * a.ms[2], bias);
   std::fill(bias + a.L, bias + padded, -INFINITY);
 }
 
