@@ -18,7 +18,7 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: handlers.quantize.stays_float's rule),
     pt2e-static-int8[-bf16]-measured-cpp (the int8 rung's form: that rule, less the float layers a per-layer
     measurement finds cheap, handlers.sensitivity; C++ wrapper),
-    compile-dynamic-bf16-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those two with attention as SDPA, where
+    compile-dynamic-{fp32,bf16}-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those with attention as SDPA, where
     every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
@@ -29,7 +29,13 @@ Each shape is batch x tokens, every row a full-length text. Per variant and shap
 compile, for compiled variants) is timed alone, then ``--warmup`` untimed and ``--iters`` timed calls under
 inference_mode. Compiles are cold: a new empty inductor cache unless --cache-dir. One run, not a statistic.
 
-    .venv/bin/python scripts/bench_model.py [--batch-sizes 1 8] [--seq-lengths 16 128] [--iters 30]
+By default each variant is built, timed and dropped in turn. This VM's speed drifts by up to a quarter within
+minutes (the same int8 variant measured 39.7 and 50.7 ms at 8x128 in two runs a few minutes apart), so variants
+timed minutes apart compare badly. ``--rounds N`` builds every variant first, then times them in N interleaved
+rounds (per round and shape: one untimed call and iters/N timed ones of each variant in turn): a drift then
+reaches every variant alike, and the ratios between rows hold.
+
+    .venv/bin/python scripts/bench_model.py [--batch-sizes 1 8] [--seq-lengths 16 128] [--iters 30] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -109,6 +115,7 @@ VARIANTS = (
             float_linears=MEASURED, cpp_wrapper=True),
     # The shipped forms with attention as PyTorch's SDPA (pt2_handlers.attention: sdpa), against the fused kernel.
     Variant("compile-dynamic-bf16-sdpa", "compile", "bfloat16", dynamic=True, attention="sdpa"),
+    Variant("compile-dynamic-fp32-sdpa", "compile", "float32", dynamic=True, attention="sdpa"),
     Variant("pt2e-static-int8-bf16-measured-cpp-sdpa", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, attention="sdpa"),
     # max_autotune: inductor's C++ GEMM templates (AVX-512 / VNNI / AMX micro-kernels) raced against oneDNN and MKL
@@ -134,6 +141,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[16, 128], help="tokens per row")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per shape after the first")
     parser.add_argument("--iters", type=int, default=30, help="timed calls per shape")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="1: each variant timed in turn; N > 1: every variant built first, then timed in N "
+                             "interleaved rounds of iters/N calls (comparable under the machine's drift)")
     parser.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS],
                         choices=[v.name for v in VARIANTS], metavar="VARIANT",
                         help=f"subset to run (default all: {', '.join(v.name for v in VARIANTS)})")
@@ -360,26 +370,21 @@ def min_cosine(got: Any, want: Any) -> float:
     return torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1).min().item()
 
 
-def time_shape(run: Runner, batch: Batch, reference: Any, warmup: int, iters: int) -> dict[str, float]:
-    started = time.perf_counter()
-    output = run(batch)
-    first_call = time.perf_counter() - started
-    cosine = min_cosine(output, reference)
-    for _ in range(warmup):
-        run(batch)
-    millis = []
-    for _ in range(iters):
-        started = time.perf_counter()
-        run(batch)
-        millis.append((time.perf_counter() - started) * 1000)
-    stats = summarize(millis)
-    return {"first_call_s": round(first_call, 3), "median_ms": round(stats["p50"], 3),
-            "p90_ms": round(stats["p90"], 3), "min_cosine_vs_eager_fp32": round(cosine, 6)}
+@dataclass
+class Built:
+    """A variant ready to time: its runner, build seconds, and per shape its first call (s) and min cosine."""
+
+    variant: Variant
+    run: Runner
+    build_s: float
+    first_call_s: dict[str, float]
+    cosine: dict[str, float]
 
 
-def bench_variant(variant: Variant, module: Any, batches: dict[str, Batch], references: dict[str, Any],
-                  args: argparse.Namespace, threads: int, calibration: list[Batch]) -> list[dict[str, Any]]:
-    """One row per shape for ``variant``; [] (and the reason printed) when it is skipped."""
+def build_variant(variant: Variant, module: Any, batches: dict[str, Batch], references: dict[str, Any],
+                  threads: int, calibration: list[Batch]) -> Built | None:
+    """``variant`` built and called once per shape (the compile, timed; its answers judged); None (and the reason
+    printed) when it is skipped."""
     import torch
 
     log(f"{variant.name}: building ...")
@@ -388,27 +393,85 @@ def bench_variant(variant: Variant, module: Any, batches: dict[str, Batch], refe
         run = build_runner(variant, module, batches, threads, calibration)
     except Skip as exc:
         log(f"{variant.name}: SKIPPED -- {exc}")
-        return []
-    build_s = time.perf_counter() - started
-    rows = []
-    with torch.inference_mode(), OtherCpu() as other:
+        return None
+    built = Built(variant, run, time.perf_counter() - started, {}, {})
+    with torch.inference_mode():
         for shape, batch in batches.items():
-            timing = time_shape(run, batch, references[shape], args.warmup, args.iters)
-            rows.append({"variant": variant.name, "kind": variant.kind, "dtype": variant.dtype,
-                         "dynamic": variant.dynamic, "shape": shape, "batch": batch["input_ids"].shape[0],
-                         "seq": batch["input_ids"].shape[1], "build_s": round(build_s, 3), **timing,
-                         "iters": args.iters})
-            log(f"{variant.name:>22} {shape:>9}: first call {timing['first_call_s']:7.2f}s  median "
-                f"{timing['median_ms']:8.2f} ms  p90 {timing['p90_ms']:8.2f} ms  cosine "
-                f"{timing['min_cosine_vs_eager_fp32']:.6f}")
+            started = time.perf_counter()
+            output = run(batch)
+            built.first_call_s[shape] = time.perf_counter() - started
+            built.cosine[shape] = min_cosine(output, references[shape])
+            log(f"{variant.name:>22} {shape:>9}: first call {built.first_call_s[shape]:7.2f}s  cosine "
+                f"{built.cosine[shape]:.6f}")
+    return built
+
+
+def time_variants(built: list[Built], batches: dict[str, Batch], args: argparse.Namespace,
+                  rounds: int) -> list[dict[str, Any]]:
+    """One row per variant and shape: ``args.iters`` timed calls after ``args.warmup`` untimed ones, spread over
+    ``rounds`` in which every variant takes its turn at every shape."""
+    import torch
+
+    millis: dict[tuple[str, str], list[float]] = {(b.variant.name, shape): [] for b in built for shape in batches}
+    per_round = max(1, args.iters // rounds)
+    with torch.inference_mode(), OtherCpu() as other:
+        for round_ in range(rounds):
+            for shape, batch in batches.items():
+                for b in built:
+                    for _ in range(args.warmup if round_ == 0 else 1):
+                        b.run(batch)
+                    for _ in range(per_round):
+                        started = time.perf_counter()
+                        b.run(batch)
+                        millis[(b.variant.name, shape)].append((time.perf_counter() - started) * 1000)
+            if rounds > 1:
+                log(f"round {round_ + 1}/{rounds}: " + "  ".join(
+                    f"{b.variant.name} {summarize(millis[(b.variant.name, shape)])['p50']:.2f}"
+                    for b in built for shape in list(batches)[-1:]) + f" ms at {list(batches)[-1]} so far")
+    rows = []
+    for b in built:
+        for shape, batch in batches.items():
+            stats = summarize(millis[(b.variant.name, shape)])
+            rows.append({"variant": b.variant.name, "kind": b.variant.kind, "dtype": b.variant.dtype,
+                         "dynamic": b.variant.dynamic, "shape": shape, "batch": batch["input_ids"].shape[0],
+                         "seq": batch["input_ids"].shape[1], "build_s": round(b.build_s, 3),
+                         "first_call_s": round(b.first_call_s[shape], 3), "median_ms": round(stats["p50"], 3),
+                         "p90_ms": round(stats["p90"], 3), "min_cosine_vs_eager_fp32": round(b.cosine[shape], 6),
+                         "iters": per_round * rounds, "rounds": rounds, "other_cpu_pct": other.percent})
+            log(f"{b.variant.name:>22} {shape:>9}: median {stats['p50']:8.2f} ms  p90 {stats['p90']:8.2f} ms")
     if other.percent is not None:
-        log(f"{variant.name}: other processes used {other.percent}% of the CPU while it ran")
-    for row in rows:
-        row["other_cpu_pct"] = other.percent
-    del run
-    torch._dynamo.reset()  # the next variant compiles from scratch, never reusing this one's graphs
-    gc.collect()
+        log(f"other processes used {other.percent}% of the CPU while " + ", ".join(b.variant.name for b in built)
+            + " ran")
     return rows
+
+
+def bench_in_turn(variants: list[Variant], module: Any, batches: dict[str, Batch], references: dict[str, Any],
+                  args: argparse.Namespace, threads: int, calibration: list[Batch]) -> list[dict[str, Any]]:
+    """Each variant built, timed and dropped before the next."""
+    import torch
+
+    rows = []
+    for variant in variants:
+        built = build_variant(variant, module, batches, references, threads, calibration)
+        if built is None:
+            continue
+        rows += time_variants([built], batches, args, rounds=1)
+        del built
+        torch._dynamo.reset()  # the next variant compiles from scratch, never reusing this one's graphs
+        gc.collect()
+    return rows
+
+
+def bench_interleaved(variants: list[Variant], module: Any, batches: dict[str, Batch], references: dict[str, Any],
+                      args: argparse.Namespace, threads: int, calibration: list[Batch]) -> list[dict[str, Any]]:
+    """Every variant built first, then timed in ``args.rounds`` interleaved rounds."""
+    import torch
+
+    # Every variant's graphs stay cached at once, several on the same Python functions (the model's forward):
+    # room for them all, so that none falls back to eager past dynamo's default of 8 per function.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(variants))
+    built = [b for v in variants if (b := build_variant(v, module, batches, references, threads, calibration))]
+    return time_variants(built, batches, args, rounds=args.rounds)
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -492,14 +555,15 @@ def run(args: argparse.Namespace) -> None:
     with torch.inference_mode():
         references = {shape: module(**batch) for shape, batch in batches.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for variant in (v for v in VARIANTS if v.name in args.variants):
-        rows += bench_variant(variant, module, batches, references, args, threads, calibration)
+    variants = [v for v in VARIANTS if v.name in args.variants]
+    bench = bench_in_turn if args.rounds <= 1 else bench_interleaved
+    rows = bench(variants, module, batches, references, args, threads, calibration)
     add_ratios(rows)
     if not rows:
         raise SystemExit("[bench] no variant ran")
     table = report(rows, list(batches), args.out, header)
-    log(f"median ms per forward ({threads} threads); in brackets: speedup vs eager fp32 (>1 = faster)")
+    how = "each variant in turn" if args.rounds <= 1 else f"{args.rounds} interleaved rounds"
+    log(f"median ms per forward ({threads} threads, {how}); in brackets: speedup vs eager fp32 (>1 = faster)")
     print(table, flush=True)
 
 
