@@ -8,8 +8,8 @@ Variants, each built the way the handler builds its rung (handlers.rungs.Compile
 dynamic=...)``, with inductor freezing on while it traces for the -frozen ones; dynamic ones traced as one graph
 for every batch size; bf16 as a deep copy cast with ``.to``):
 
-    eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16} (the shipped rung: bf16 where the
-    CPU has AVX512-BF16 or AMX, fp32 elsewhere), compile-{dynamic,static}-{fp32,bf16}-frozen,
+    eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16}, compile-{dynamic,static}-{fp32,bf16}-frozen
+    (compile-dynamic-*-frozen is the shipped rung: bf16 where the CPU has AVX512-BF16 or AMX, fp32 elsewhere),
     compile-{dynamic,static}-int8[-frozen] (handlers.quantize.in_precision: torchao's dynamic int8 linears),
     compile-dynamic-int8-bf16 (the same int8 linears, the layers between them in bf16 instead of fp32),
     pt2e-static-int8[-bf16] (PT2E static quantization: torch.export, torchao's X86InductorQuantizer with per-tensor
