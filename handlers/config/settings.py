@@ -278,9 +278,8 @@ class SettingsSection(Section):
     freezing: StrictBool = DEFAULTS.freezing
     """Inductor freezing (weights as constants, prepacked). Measured on CPU: bf16 forwards 16-30 % faster (fp32
     14-45 %), but a warm start takes longer: the frozen graph comes from the FX graph cache, yet AOT autograd's cache
-    skips it, so each worker traces and folds its weights again (MiniLM on CPU A: a second
-    worker 11.5 s against 6.6). Off unless the model YAML
-    asks; the shipped embeddings YAMLs ask."""
+    skips it, so each worker traces and folds its weights again (MiniLM on CPU A: a second worker 11.5 s against
+    6.6). Off unless the model YAML asks; the shipped embeddings YAMLs ask."""
     attention: one_of(Attention) = DEFAULTS.attention
     """The attention of the graphs the compile rungs trace. `auto`: on a CPU with AVX-512, non-causal attention
     (embeddings, classification, token classification, question answering) runs pt2-handlers' fused kernel, built
