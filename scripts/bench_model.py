@@ -414,6 +414,7 @@ def time_variants(built: list[Built], batches: dict[str, Batch], args: argparse.
 
     millis: dict[tuple[str, str], list[float]] = {(b.variant.name, shape): [] for b in built for shape in batches}
     per_round = max(1, args.iters // rounds)
+    last = list(batches)[-1]  # the largest shape: its running medians are the progress line
     with torch.inference_mode(), OtherCpu() as other:
         for round_ in range(rounds):
             for shape, batch in batches.items():
@@ -425,9 +426,9 @@ def time_variants(built: list[Built], batches: dict[str, Batch], args: argparse.
                         b.run(batch)
                         millis[(b.variant.name, shape)].append((time.perf_counter() - started) * 1000)
             if rounds > 1:
-                log(f"round {round_ + 1}/{rounds}: " + "  ".join(
-                    f"{b.variant.name} {summarize(millis[(b.variant.name, shape)])['p50']:.2f}"
-                    for b in built for shape in list(batches)[-1:]) + f" ms at {list(batches)[-1]} so far")
+                medians = "  ".join(f"{b.variant.name} {summarize(millis[(b.variant.name, last)])['p50']:.2f}"
+                                    for b in built)
+                log(f"round {round_ + 1}/{rounds}: {medians} ms at {last} so far")
     rows = []
     for b in built:
         for shape, batch in batches.items():
