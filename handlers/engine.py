@@ -201,7 +201,8 @@ class Engine:
         self.attempts = result.attempts
         self.int8_calibration = result.calibration
         self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
-        self.shapes = self.shapes.for_precision(half=result.dtype is not DType.FLOAT32)
+        served = next(rung for rung in rungs if rung.name == result.active)  # eager is always among them
+        self.shapes = self.shapes.for_served(kernels_per_shape=served.keeps_kernels_per_shape(result.dtype))
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
         self._runs_at = result.threads
         if self._task.row_outputs and self.shapes.length_groups:

@@ -34,8 +34,10 @@ import torch
 from handlers.config import DType
 
 TORCHAO = "torchao"
-# CPU features with int8 dot products (u8 x s8 -> s32 in one instruction). Without them an int8 matmul is
-# three AVX2 instructions per 32 products, no faster than fp32 FMAs: int8 would cost gate risk for nothing.
+# CPU features with int8 dot products (u8 x s8 -> s32 in one instruction). Without them oneDNN sums pairs of
+# products into saturating int16 (AVX2's vpmaddubsw). Measured on an AVX2-only EPYC (docs/performance.md): the int8
+# rung ran 1.55x the frozen fp32 compile at 8x128 tokens, but its embeddings failed the gate (held-out min cosine
+# 0.981 against 0.99) after a minute of load: trying it there costs that minute and ends in fp32 every time.
 INT8_CPU_FEATURES = ("amx_int8", "avx512_vnni", "avx_vnni")
 
 
@@ -70,7 +72,7 @@ def int8_problem(device: torch.device, features: Mapping[str, bool]) -> str | No
     """Why int8 is not tried on ``device`` (a CPU with ``features``), or None when it is."""
     if device.type == "cpu" and not any(features.get(name) for name in INT8_CPU_FEATURES):
         return (f"the CPU has none of {'/'.join(INT8_CPU_FEATURES)}: int8 matmuls would run through AVX2 "
-                "multiply-adds, no faster than float32, whose int16 pair sums saturate")
+                "multiply-adds whose int16 pair sums saturate (faster than float32, but off by more than the gate)")
     if device.type != "cpu":
         return f"int8 is CPU-only here (torchao's x86 inductor quantizer), and this worker runs on {device.type}"
     return probe_torchao()[1]

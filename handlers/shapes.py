@@ -6,9 +6,10 @@
 * ``dynamic``: batch and sequence dimensions are symbolic; the warmup runs size 1 (which torch
   specializes) and sizes >= 2, so one graph serves every later size without compiling. Sequence lengths are
   padded up to a multiple of ``seq_multiple`` (16): the graph is shape-generic, but the kernels under it are
-  not. oneDNN (bf16/fp16 matmuls on CPU) builds and keeps a primitive per matmul shape, in its own cache and
-  in ideep's (1,024 each, hundreds of KB apiece on an AMX CPU), so a worker seeing every length up to 256 grew
-  by hundreds of MB; rounded, it sees at most max_length / 16 lengths per batch size.
+  not. oneDNN (bf16/fp16 and int8 matmuls on CPU, and float32 ones in a frozen graph) builds and keeps a
+  primitive per matmul shape, in its own cache and in ideep's (1,024 each, hundreds of KB apiece on an AMX CPU),
+  so a worker seeing every length up to 256 grew by hundreds of MB; rounded, it sees at most max_length / 16
+  lengths per batch size.
 
 ``after_ready`` decides what an unseen shape does once the worker is READY: served eagerly without
 compiling (``eager``), refused (``fail``), or compiled on the spot (``compile``).
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 
-HALF_SEQ_MULTIPLE = 16  # measured: fewer primitives than 8 would leave, and AMX tiles like 16 rows
+ONEDNN_SEQ_MULTIPLE = 16  # measured: fewer primitives than 8 would leave, and AMX tiles like 16 rows
 
 
 class PolicyKind(str, enum.Enum):
@@ -49,7 +50,7 @@ class ShapePolicy:
     seq_lengths: tuple[int, ...] = (16, 32, 64, 128)
     after_ready: AfterReady = AfterReady.EAGER
     # dynamic only: sequence lengths run padded up to a multiple of this (1: each batch at its own length). None:
-    # chosen at load from the precision served (``for_precision``): HALF_SEQ_MULTIPLE in bf16/fp16, 1 in fp32.
+    # chosen at load from what serves (``for_served``): ONEDNN_SEQ_MULTIPLE where oneDNN runs the matmuls, else 1.
     seq_multiple: int | None = None
     max_length: int | None = None  # the model's (``fitted``): rounding never pads past it
     length_groups: bool = True  # rows of mixed lengths may run in groups (handlers.length_groups)
@@ -83,12 +84,13 @@ class ShapePolicy:
             return rows, max(seq, min(rounded, self.max_length or rounded))
         return _bucket(self.batch_sizes, rows), _bucket(self.seq_lengths, seq)
 
-    def for_precision(self, half: bool) -> ShapePolicy:
-        """This policy with ``seq_multiple`` chosen where the YAML left it: the primitive caches grow in half
-        precisions only (fp32 matmuls go through MKL, which keeps nothing per shape), so fp32 keeps exact lengths."""
+    def for_served(self, kernels_per_shape: bool) -> ShapePolicy:
+        """This policy with ``seq_multiple`` chosen where the YAML left it: the primitive caches grow only where what
+        serves keeps ``kernels_per_shape`` (``handlers.rungs.Rung.keeps_kernels_per_shape``); elsewhere the matmuls
+        go through MKL, which keeps nothing per shape, and exact lengths cost no memory."""
         if self.seq_multiple is not None:
             return self
-        return replace(self, seq_multiple=HALF_SEQ_MULTIPLE if half else 1)
+        return replace(self, seq_multiple=ONEDNN_SEQ_MULTIPLE if kernels_per_shape else 1)
 
     def describe(self) -> dict[str, Any]:
         described = {"policy": self.kind.value, "batch_sizes": list(self.batch_sizes),

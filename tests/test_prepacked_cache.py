@@ -1,6 +1,6 @@
-"""A frozen int8 graph (oneDNN-prepacked weights) is kept in inductor's FX graph cache and loaded from it, with the
-weights of the model being compiled, never those of the model that filled the cache. Real inductor, real PT2E
-int8, a small model, a private cache directory."""
+"""A frozen graph (oneDNN-prepacked weights: int8, or float32 with symbolic rows) is kept in inductor's FX graph cache
+and loaded from it, with the weights of the model being compiled, never those of the model that filled the cache.
+Real inductor, real PT2E int8, a small model, a private cache directory."""
 
 from __future__ import annotations
 
@@ -30,11 +30,17 @@ class TwoLayers(torch.nn.Module):
         return self.down(torch.relu(self.up(inputs)))
 
 
-def _compiled_int8(flipped: bool) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The int8 model, and what its compile rung serves for ``EXAMPLES[1]``, compiled as in the ladder's warmup."""
-    module = quantize.static_int8(TwoLayers(flipped).eval(), EXAMPLES, keep_float=lambda name, layer: False)
-    rung = CompileRung("compile", CompileSpec(enabled=True, backend="inductor"))
-    forward = rung.apply(module, DType.INT8)
+def _compiled(dtype: DType, flipped: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model in ``dtype`` (int8, or float32 frozen with symbolic rows, as the shipped YAMLs serve fp32), and what
+    its compile rung serves for ``EXAMPLES[1]``, compiled as in the ladder's warmup."""
+    module = TwoLayers(flipped).eval()
+    spec = CompileSpec(enabled=True, backend="inductor")
+    if dtype is DType.INT8:
+        module = quantize.static_int8(module, EXAMPLES, keep_float=lambda name, layer: False)
+    else:
+        spec = CompileSpec(enabled=True, backend="inductor", dynamic=True, freezing=True)
+    rung = CompileRung("compile", spec)
+    forward = rung.apply(module, dtype)
     with rung.warmup_context(1), torch.no_grad():
         return module, forward(**EXAMPLES[1])
 
@@ -51,22 +57,31 @@ def private_cache(tmp_path, monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.torchao
-def test_a_frozen_int8_graph_is_cached_and_loaded_with_the_weights_being_compiled(private_cache):
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(DType.INT8, marks=pytest.mark.torchao), DType.FLOAT32])
+def test_a_frozen_graph_is_cached_and_loaded_with_the_weights_being_compiled(private_cache, dtype):
+    """Answers close to the model's own: where int8 is not offered (no VNNI/AMX) its matmuls saturate (test_int8;
+    11 % off here on an AVX2-only EPYC), but the weights of the other model would be 100 % off. torch 2.8 (the ipex profile) keeps no frozen
+    graph: there both compiles bypass the cache, and serve their own weights all the same."""
+    kept = torch.__version__ >= "2.13"
     inputs = EXAMPLES[1]
     counters.clear()
-    first, served_first = _compiled_int8(flipped=False)
+    first, served_first = _compiled(dtype, flipped=False)
     with torch.no_grad():
-        torch.testing.assert_close(served_first, first(**inputs), atol=0.05, rtol=0.05)
-    assert _graph_cache_use() == {"hit": 0, "miss": 1, "bypass": 0}  # stored, not bypassed for its oneDNN weights
+        assert _relative_error(served_first, first(**inputs)) < 0.3
+    # stored, not bypassed for its oneDNN weights
+    assert _graph_cache_use() == ({"hit": 0, "miss": 1, "bypass": 0} if kept else {"hit": 0, "miss": 0, "bypass": 1})
 
     torch._dynamo.reset()  # a new worker: nothing compiled in memory, the cache on disk
     counters.clear()
-    other, served_other = _compiled_int8(flipped=True)  # other weights, the same scales
+    other, served_other = _compiled(dtype, flipped=True)  # other weights (int8: the same scales)
     with torch.no_grad():
-        torch.testing.assert_close(served_other, other(**inputs), atol=0.05, rtol=0.05)
-    assert _graph_cache_use() == {"hit": 1, "miss": 0, "bypass": 0}
-    assert not torch.allclose(served_other, served_first, atol=0.05)  # the new weights served, not the cached ones
+        assert _relative_error(served_other, other(**inputs)) < 0.3
+    assert _graph_cache_use() == ({"hit": 1, "miss": 0, "bypass": 0} if kept else {"hit": 0, "miss": 0, "bypass": 1})
+    assert _relative_error(served_other, served_first) > 1  # the new weights served, not the cached ones
 
 
 def _cache_key_methods() -> tuple[object, ...]:

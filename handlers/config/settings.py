@@ -40,8 +40,8 @@ class ShapesSection(Section):
     naming the shape), `compile` (compiled while its request waits)."""
     seq_multiple: PositiveInt | None = None
     """`dynamic` only: each batch's sequence is padded up to a multiple of this (never past `max_length`). Left out:
-    16 in bf16/fp16, where oneDNN keeps a kernel per matmul shape (exact lengths grew a worker by hundreds of MB), and
-    1 in fp32, where MKL keeps nothing per shape."""
+    16 where oneDNN runs the matmuls and keeps a kernel per shape (bf16/fp16, int8, and fp32 compiled with `freezing:
+    true`: exact lengths grew a worker by hundreds of MB), and 1 in unfrozen fp32, where MKL keeps nothing per shape."""
 
     length_groups: bool = True
     """Tasks that answer one row per text (embeddings, text classification): run a batch's rows in groups of similar
