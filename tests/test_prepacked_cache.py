@@ -64,8 +64,8 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [pytest.param(DType.INT8, marks=pytest.mark.torchao), DType.FLOAT32])
 def test_a_frozen_graph_is_cached_and_loaded_with_the_weights_being_compiled(private_cache, dtype):
     """Answers close to the model's own: where int8 is not offered (no VNNI/AMX) its matmuls saturate (test_int8;
-    11 % off here on an AVX2-only EPYC), but the weights of the other model would be 100 % off. torch 2.8 (the ipex profile) keeps no frozen
-    graph: there both compiles bypass the cache, and serve their own weights all the same."""
+    11 % off on an AVX2-only EPYC), but the other model's weights would be over 100 % off. torch 2.8 (the ipex
+    profile) keeps no frozen graph: there both compiles bypass the cache, and serve their own weights all the same."""
     kept = torch.__version__ >= "2.13"
     inputs = EXAMPLES[1]
     counters.clear()
