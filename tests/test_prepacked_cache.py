@@ -65,22 +65,21 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_a_frozen_graph_is_cached_and_loaded_with_the_weights_being_compiled(private_cache, dtype):
     """Answers close to the model's own: where int8 is not offered (no VNNI/AMX) its matmuls saturate (test_int8;
     11 % off on an AVX2-only EPYC), but the other model's weights would be over 100 % off. torch 2.8 (the ipex
-    profile) keeps no frozen graph: there both compiles bypass the cache, and serve their own weights all the same."""
-    kept = torch.__version__ >= "2.13"
+    profile, float32 only) packs frozen float32 weights for MKL, not oneDNN: its graph is cached all the same."""
     inputs = EXAMPLES[1]
     counters.clear()
     first, served_first = _compiled(dtype, flipped=False)
     with torch.no_grad():
         assert _relative_error(served_first, first(**inputs)) < 0.3
     # stored, not bypassed for its oneDNN weights
-    assert _graph_cache_use() == ({"hit": 0, "miss": 1, "bypass": 0} if kept else {"hit": 0, "miss": 0, "bypass": 1})
+    assert _graph_cache_use() == {"hit": 0, "miss": 1, "bypass": 0}
 
     torch._dynamo.reset()  # a new worker: nothing compiled in memory, the cache on disk
     counters.clear()
     other, served_other = _compiled(dtype, flipped=True)  # other weights (int8: the same scales)
     with torch.no_grad():
         assert _relative_error(served_other, other(**inputs)) < 0.3
-    assert _graph_cache_use() == ({"hit": 1, "miss": 0, "bypass": 0} if kept else {"hit": 0, "miss": 0, "bypass": 1})
+    assert _graph_cache_use() == {"hit": 1, "miss": 0, "bypass": 0}
     assert _relative_error(served_other, served_first) > 1  # the new weights served, not the cached ones
 
 

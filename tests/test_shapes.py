@@ -82,7 +82,8 @@ def test_a_frozen_float32_graph_keeps_a_oneDNN_kernel_per_length_so_its_lengths_
         created[freezing] = _onednn_primitives_created(forward, capfd, lengths=(17, 18, 19))
         assert rung.keeps_kernels_per_shape(DType.FLOAT32) is freezing
     torch._dynamo.reset()
-    assert created == {False: 0, True: created[True]} and created[True] >= 3, created
+    # torch 2.8 (the ipex profile) packs them for MKL instead: there the rounding costs a little time, no memory
+    assert created[False] == 0 and (created[True] >= 3) is (torch.__version__ >= "2.13"), created
     eager, unfrozen = EagerRung(), CompileRung("compile", CompileSpec(enabled=True, backend="inductor"))
     assert eager.keeps_kernels_per_shape(DType.BFLOAT16) and not eager.keeps_kernels_per_shape(DType.FLOAT32)
     assert unfrozen.keeps_kernels_per_shape(DType.INT8)  # int8 always freezes
