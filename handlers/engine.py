@@ -73,6 +73,7 @@ class Engine:
         self.load_waited_for: tuple[str, ...] = ()  # the models those workers loaded
         self.attempts: list[Attempt] = []
         self.int8_calibration: str | None = None  # int8 was tried: what it was calibrated on and judged on
+        self.int8_weights: str | None = None  # int8 was tried: the range its weights took on this CPU, and why
         self.cache_use: dict[str, dict[str, int]] | None = None  # what the compile caches served at load
         self.notes: list[str] = []
         self.attention: fused_attention.Outcome | None = None  # which attention the compiled graphs run
@@ -187,19 +188,21 @@ class Engine:
         logger.info("attention in compiled graphs: %s (%s)", *self.attention.describe().values())
         cache_before = compile_cache.use_counters()
         precisions: tuple[DType, ...] = self.precisions.value
+        int8_weights = hardware.int8_weights()
         result = run_ladder(reference, precisions, rungs, batches,
                             lambda dtype: task_class.quality_gate(dtype, settings.quality_gate), run=self._task.prove,
                             calibration=self._int8_calibration(batches) if DType.INT8 in precisions else None,
                             half_must_pay=_picked_by_auto(precisions, settings.dtype),
                             memory=memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None,
                             machine=hardware.machine(self.device, self.threads.value),
-                            thread_counts=self._thread_counts())
+                            thread_counts=self._thread_counts(), int8_weights=int8_weights)
         self.cache_use = compile_cache.use_since(cache_before)
         logger.info("compile cache %s: %s", self.cache.path, ", ".join(
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
             for cache, use in self.cache_use.items()))
         self.attempts = result.attempts
         self.int8_calibration = result.calibration
+        self.int8_weights = int8_weights.describe() if DType.INT8 in precisions else None
         self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
         served = next(rung for rung in rungs if rung.name == result.active)  # eager is always among them
         self.shapes = self.shapes.for_served(kernels_per_shape=served.keeps_kernels_per_shape(result.dtype))
@@ -437,6 +440,7 @@ class Engine:
             "dtype": self.dtype.value.value,
             "dtype_reason": self.dtype.reason,
             "int8_calibration": self.int8_calibration,
+            "int8_weights": self.int8_weights,
             "precisions": {"tried_in_order": [p.value for p in self.precisions.value],
                            "reason": self.precisions.reason},
             "threads": self._describe_threads(),

@@ -13,7 +13,7 @@ import torch
 
 from handlers import core_share as core_share_module
 from handlers.config import DType
-from handlers.quantize import INT8_CPU_FEATURES, int8_problem
+from handlers.quantize import INT8_CPU_FEATURES, Int8Weights, int8_problem
 
 # CPU features under which bf16 matmuls run in hardware (oneDNN uses AMX tiles or AVX512-BF16 dot products).
 BF16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
@@ -128,8 +128,8 @@ def resolve_precisions(requested: Sequence[DType], device: torch.device,
     """The precisions to try, fastest first (a tuple of DType). ``auto``: bf16 then fp32 on a CPU with bf16
     instructions (``features``: the CPU's, by default asked of torch) or a GPU that has bf16 (fp16 then fp32 on
     one that has not), fp32 alone on other CPUs; never int8. A list: as configured, ``auto`` in it expanded so
-    (``[int8, auto]``: int8, then what auto picks), less int8 where it cannot pay (no int8 dot products on the
-    CPU) or cannot run (no torchao); the reason says which."""
+    (``[int8, auto]``: int8, then what auto picks), less int8 where it cannot run (a GPU, or no torchao); the
+    reason says which. On a CPU without int8 dot products int8 is tried with 7-bit weights (``int8_weights``)."""
     limits = None
     if features is None:
         features, limits = cpu_features(), kernel_isa_limits()
@@ -140,13 +140,19 @@ def resolve_precisions(requested: Sequence[DType], device: torch.device,
         return auto
     expanded = tuple(dict.fromkeys(p for dtype in requested for p in (auto.value if dtype is DType.AUTO else (dtype,))))
     reason = "configured" + (f" ({auto.reason})" if DType.AUTO in requested else "")
-    problem = int8_problem(device, features) if DType.INT8 in expanded else None
+    problem = int8_problem(device) if DType.INT8 in expanded else None
     if problem is None:
         return Choice(expanded, reason)
     kept = tuple(dtype for dtype in expanded if dtype is not DType.INT8)
     if not kept:
         return Choice((DType.FLOAT32,), f"configured int8 alone, but {problem}; fp32, the reference")
     return Choice(kept, f"{reason}, less int8: {problem}")
+
+
+def int8_weights(features: Mapping[str, bool] | None = None) -> Int8Weights:
+    """The range the int8 rung's weights take on this CPU (its usable ``features``): full where it has int8 dot
+    products, 7 bits where oneDNN's int16 pair sums would saturate."""
+    return Int8Weights.for_cpu(cpu_features() if features is None else features)
 
 
 def _auto_precisions(device: torch.device, features: Mapping[str, bool]) -> Choice:

@@ -27,7 +27,7 @@ import torch
 from handlers import plan, race, sensitivity
 from handlers.config import DType
 from handlers.memory import Memory, batch_tensors, fingerprint
-from handlers.quantize import in_precision, split_outliers, static_int8, stays_float
+from handlers.quantize import Int8Weights, in_precision, split_outliers, static_int8, stays_float
 from handlers.dynamo_watch import DynamoCounts, dynamo_counts, steady_state_problem
 from handlers.rungs import CompileRung, EagerRung, Forward, Rung
 
@@ -152,12 +152,14 @@ def run_ladder(
     memory: Memory | None = None,
     machine: str = "",
     thread_counts: Collection[int] = (),
+    int8_weights: Int8Weights = Int8Weights.FULL,
 ) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
     If none does, serve the reference. An accepted int8 attempt serves only if it is faster on the warmup batches
     than the same rung at the next precision that passes (``MUST_PAY``). int8 is calibrated on ``calibration``
-    and judged on its held-out batches too; without one, on the warmup batches (which then flatter it).
+    and judged on its held-out batches too; without one, on the warmup batches (which then flatter it); its weights
+    take ``int8_weights``' range (``Int8Weights.for_cpu``).
     ``run(forward, batch)`` runs one warmup batch (by default ``forward(**batch)``; generation runs a decode loop
     instead). A half precision in ``half_must_pay`` (what ``auto`` picked, not what the YAML names) is tried on no
     rung unless its screen's eager forward is faster than fp32 eager's on the warmup batches: some CPUs have bf16
@@ -177,7 +179,8 @@ def run_ladder(
         calibration = Calibration(warmup_batches, (), "the warmup batches")
     ladder = _Walk(reference, rungs, warmup_batches, references, gate, run,
                    int8_rest=torch.bfloat16 if DType.BFLOAT16 in precisions else torch.float32,
-                   calibration=calibration, half_must_pay=half_must_pay, memory=memory, machine=machine)
+                   calibration=calibration, half_must_pay=half_must_pay, memory=memory, machine=machine,
+                   int8_weights=int8_weights)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions], ladder.attempt,
                      runs_in=lambda rung, precision: ladder.rungs[rung].runs_in(DType(precision)),
                      must_pay=[p.value for p in MUST_PAY], faster=ladder.faster, settled=ladder.settled)
@@ -242,7 +245,8 @@ class _Walk:
     def __init__(self, reference: torch.nn.Module, rungs: Sequence[Rung], batches: Sequence[Any],
                  references: Sequence[Any], gate: Callable[[DType], QualityGate], run: Run,
                  int8_rest: torch.dtype = torch.float32, calibration: Calibration | None = None,
-                 half_must_pay: Collection[DType] = (), memory: Memory | None = None, machine: str = ""):
+                 half_must_pay: Collection[DType] = (), memory: Memory | None = None, machine: str = "",
+                 int8_weights: Int8Weights = Int8Weights.FULL):
         self.rungs = {rung.name: rung for rung in rungs}
         self.reference = reference
         self.batches = batches
@@ -251,6 +255,7 @@ class _Walk:
         self.run = run
         self.int8_rest = int8_rest
         self.calibration = calibration
+        self.int8_weights = int8_weights
         self.half_must_pay = frozenset(half_must_pay)
         self._held_out: tuple[Sequence[Any], Sequence[Any]] | None = None  # int8's held-out batches, references
         self.attempts: list[Attempt] = []
@@ -337,7 +342,7 @@ class _Walk:
         if DType.INT8.value in (challenger.precision, rival.precision):
             choice = self._int8_layers()
             taken = () if self._int8_by_rule else (choice.taken, sorted(choice.split.items()))
-            int8 = (self._int8_by_rule, taken, str(self._int8_rest()))
+            int8 = (self._int8_by_rule, taken, str(self._int8_rest()), self.int8_weights.value)
         return challenger, rival, repr(getattr(self.rungs[challenger.rung], "spec", None)), int8
 
     def _timed(self, challenger: plan.Step, rival: plan.Step, raced: race.Race) -> str:
@@ -453,14 +458,16 @@ class _Walk:
         quantized = [name for name in linears if name not in candidates]
         try:
             key = self._key("int8 layers", sensitivity.SHARE, sensitivity.OUTLIER_CHANNELS, candidates, quantized,
-                            type(gate).__name__, gate.threshold, batches=[*self.calibration.batches, *batches])
+                            type(gate).__name__, gate.threshold, self.int8_weights.value,
+                            batches=[*self.calibration.batches, *batches])
             choice = self._recall(key, sensitivity.Choice.from_record)
             if choice is None:
                 # Each layer alone is scored on the held-out batches only (the harsher texts), the chosen ones
                 # together on every batch the gate judges.
                 choice = sensitivity.choose(self.reference, candidates, self.calibration.batches,
                                             scorer(batches, references), gate.threshold, quantized=quantized,
-                                            score_alone=None if held_out is None else scorer(*held_out))
+                                            score_alone=None if held_out is None else scorer(*held_out),
+                                            weights=self.int8_weights)
                 if self.memory:
                     self.memory.keep(key, choice.record())
         except Exception as exc:  # noqa: BLE001 -- measuring is an extra: without it, the rule alone
@@ -550,7 +557,8 @@ class _Walk:
                     taken = {*choice.taken, *split_outliers(model, choice.split).values()}
                 self._models[dtype] = static_int8(
                     model, self.calibration.batches, rest,
-                    keep_float=lambda name, layer: stays_float(name, layer) and name not in taken)
+                    keep_float=lambda name, layer: stays_float(name, layer) and name not in taken,
+                    weights=self.int8_weights)
             else:
                 self._models[dtype] = in_precision(copy.deepcopy(self.reference), dtype)
         return self._models[dtype]

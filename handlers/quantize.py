@@ -11,6 +11,7 @@ the safe start: the ladder quantizes those of its float layers that a measuremen
 Compiled with freezing, each quantize step folds into the layer before it and the int8 linears become oneDNN's
 fused ``qlinear``: twice as fast as the dynamic scheme at 8x128 tokens (docs/performance.md: PT2E static int8).
 What is not quantized runs in ``rest``: bf16 under autocast where the ladder also tries bf16, else float32.
+Weights take all of int8's range where the CPU has int8 dot products, 7 bits where it has none (``Int8Weights``).
 
 ``in_precision`` gives a float dtype, or torchao's dynamic scheme (per-token activation scales, computed on every
 call), which the benchmarks keep as the comparison.
@@ -21,6 +22,8 @@ torchao is imported only when int8 is asked for, never at module import.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import functools
 import importlib
 import importlib.util
@@ -34,11 +37,31 @@ import torch
 from handlers.config import DType
 
 TORCHAO = "torchao"
-# CPU features with int8 dot products (u8 x s8 -> s32 in one instruction). Without them oneDNN sums pairs of
-# products into saturating int16 (AVX2's vpmaddubsw). Measured on an AVX2-only EPYC (docs/performance.md): the int8
-# rung ran 1.55x the frozen fp32 compile at 8x128 tokens, but its embeddings failed the gate (held-out min cosine
-# 0.981 against 0.99) after a minute of load: trying it there costs that minute and ends in fp32 every time.
+# CPU features with int8 dot products (u8 x s8 -> s32 in one instruction).
 INT8_CPU_FEATURES = ("amx_int8", "avx512_vnni", "avx_vnni")
+
+
+class Int8Weights(enum.Enum):
+    """The values the int8 rung's weights take (per output channel, symmetric), by whether the CPU has int8 dot
+    products. Without them oneDNN multiplies u8 activations by s8 weights with vpmaddubsw, which sums each pair of
+    products into a saturating int16: full-range weights come out wrong (MiniLM: held-out min cosine 0.981, below the
+    gate, on an AVX2-only EPYC). Weights in [-64, 63] cannot saturate it (2 x 255 x 64 = 32,640 < 32,767), and there
+    cost far less than the other remedy, 7-bit activations (0.9928 held out, against 0.9848 with reduce_range)."""
+
+    FULL = (-128, 127)
+    SEVEN_BITS = (-64, 63)
+
+    @classmethod
+    def for_cpu(cls, features: Mapping[str, bool]) -> Int8Weights:
+        """``FULL`` where the CPU (its usable ``features``) has int8 dot products, else ``SEVEN_BITS``."""
+        return cls.FULL if any(features.get(name) for name in INT8_CPU_FEATURES) else cls.SEVEN_BITS
+
+    def describe(self) -> str:
+        low, high = self.value
+        if self is Int8Weights.FULL:
+            return f"weights in [{low}, {high}] (the CPU has int8 dot products)"
+        return (f"weights in [{low}, {high}]: the CPU has none of {'/'.join(INT8_CPU_FEATURES)}, and its int16 "
+                "pair sums of u8 x s8 products would saturate with full-range weights")
 
 
 @functools.cache
@@ -68,11 +91,8 @@ def _quiet_torchao() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def int8_problem(device: torch.device, features: Mapping[str, bool]) -> str | None:
-    """Why int8 is not tried on ``device`` (a CPU with ``features``), or None when it is."""
-    if device.type == "cpu" and not any(features.get(name) for name in INT8_CPU_FEATURES):
-        return (f"the CPU has none of {'/'.join(INT8_CPU_FEATURES)}: int8 matmuls would run through AVX2 "
-                "multiply-adds whose int16 pair sums saturate (faster than float32, but off by more than the gate)")
+def int8_problem(device: torch.device) -> str | None:
+    """Why int8 is not tried on ``device``, or None when it is (on any CPU: ``Int8Weights`` says in which form)."""
     if device.type != "cpu":
         return f"int8 is CPU-only here (torchao's x86 inductor quantizer), and this worker runs on {device.type}"
     return probe_torchao()[1]
@@ -143,13 +163,27 @@ def split_outliers(module: torch.nn.Module, channels: Mapping[str, Sequence[int]
     return renamed
 
 
+def x86_config(weights: Int8Weights = Int8Weights.FULL) -> Any:
+    """torchao's x86 inductor quantization config (static: u8 activations per tensor, s8 weights per output channel),
+    its weights in ``weights``' range."""
+    with _quiet_torchao():
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+    config = x86.get_default_x86_inductor_quantization_config()
+    if weights is Int8Weights.FULL:
+        return config
+    low, high = weights.value
+    return dataclasses.replace(config, weight=dataclasses.replace(config.weight, quant_min=low, quant_max=high))
+
+
 def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.Tensor]],
                 rest: torch.dtype = torch.float32,
-                keep_float: Callable[[str, torch.nn.Linear], bool] = stays_float) -> torch.nn.Module:
+                keep_float: Callable[[str, torch.nn.Linear], bool] = stays_float,
+                weights: Int8Weights = Int8Weights.FULL) -> torch.nn.Module:
     """``module`` (float32) with every linear layer but those ``keep_float`` names (by default ``stays_float``; each
     named as ``module.named_modules()`` names it) quantized statically to int8 (PT2E), calibrated on ``examples``
-    (the warmup batches), exported from the largest of them with every axis the model lets vary dynamic. Called
-    with the same keywords as ``module``; what is not quantized runs in ``rest``."""
+    (the warmup batches), exported from the largest of them with every axis the model lets vary dynamic, its weights
+    in ``weights``' range (``Int8Weights.for_cpu``). Called with the same keywords as ``module``; what is not
+    quantized runs in ``rest``."""
     if not examples or not all(isinstance(example, Mapping) for example in examples):
         raise TypeError("static int8 needs warmup batches of named tensors to export and calibrate on")
     quantization, reason = probe_torchao()
@@ -169,7 +203,7 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
             graph.graph.erase_node(node)
     graph.graph.eliminate_dead_code()  # e.g. BERT's unused pooler, whose dangling tanh the quantizer trips on
     graph.recompile()
-    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    quantizer = x86.X86InductorQuantizer().set_global(x86_config(weights))
     for name, layer in module.named_modules():  # keep_float sees the model's own names; the graph's are under inner
         if isinstance(layer, torch.nn.Linear) and keep_float(name, layer):
             quantizer.set_module_name_qconfig(f"inner.{name}", None)

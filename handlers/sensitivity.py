@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from handlers.quantize import Int8Weights, x86_config
+
 logger = logging.getLogger(__name__)
 
 # Of the margin the rule's own int8 leaves above the gate's threshold (simulated; MiniLM: about 0.995 against 0.99),
@@ -86,14 +88,15 @@ class Choice:
 
 def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequence[Mapping[str, torch.Tensor]],
            score: Score, threshold: float, share: float = SHARE, quantized: Sequence[str] = (),
-           score_alone: Score | None = None) -> Choice:
+           score_alone: Score | None = None, weights: Int8Weights = Int8Weights.FULL) -> Choice:
     """Of ``candidates`` (names of ``nn.Linear`` layers in ``module``, a float32 model), the cheapest in simulated
     int8, as many as can be together while they cost ``score`` at most ``share`` of the margin left above
     ``threshold`` with the ``quantized`` layers (those int8 quantizes anyway) simulated in int8. Each candidate is
     first measured alone in two forms, as it is and with its ``OUTLIER_CHANNELS`` largest input channels (on
     ``calibration``) in float, and kept in the cheaper; then the cheapest ones are measured together, the count found
     by halving. ``score_alone`` (by default ``score``) scores the layers alone: fewer batches make the load shorter,
-    and only the layers' order depends on it. ``module`` is left as it was: a simulated layer stands in for the real
+    and only the layers' order depends on it. Weights are rounded to ``weights``' range, as the real int8 rounds
+    them. ``module`` is left as it was: a simulated layer stands in for the real
     one while it is scored, then the real one is put back."""
     started = time.perf_counter()
     if not candidates:
@@ -102,7 +105,7 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
     plain, channels = _observe_inputs(module, layers, calibration)
     outliers = {name: channels[name][:OUTLIER_CHANNELS] for name in candidates}
     masked, _ = _observe_inputs(module, {name: layers[name] for name in candidates}, calibration, outliers)
-    anyway = {name: _int8_output(layers[name], *plain[name]) for name in quantized}
+    anyway = {name: _int8_output(layers[name], *plain[name], weights=weights) for name in quantized}
     blocks = _Blocks.of(module, candidates)
 
     def simulated(stand_ins: Mapping[str, torch.nn.Module], scorer: Score = score) -> float:
@@ -128,8 +131,8 @@ def choose(module: torch.nn.Module, candidates: Sequence[str], calibration: Sequ
     costs, forms = {}, {}
     for name in candidates:
         layer = layers[name]
-        for form, stand_in in (("plain", _int8_output(layer, *plain[name])),
-                               ("split", _int8_output(layer, *masked[name], outliers[name]))):
+        for form, stand_in in (("plain", _int8_output(layer, *plain[name], weights=weights)),
+                               ("split", _int8_output(layer, *masked[name], outliers[name], weights))):
             alone = best_alone - blocks.replayed(name, partial(simulated, {name: stand_in}, alone_scorer))
             if name not in costs or alone < costs[name]:  # a tie keeps the plain form: no extra work per call
                 costs[name], forms[name] = alone, (form, stand_in)
@@ -263,11 +266,9 @@ def _most_within(budget: float, most: int, together: Callable[[int], float]) -> 
     return low, spent
 
 
-def _specs() -> tuple[Any, Any]:
+def _specs(weights: Int8Weights = Int8Weights.FULL) -> tuple[Any, Any]:
     """The activation and weight specs of the quantizer ``handlers.quantize.static_int8`` uses."""
-    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
-
-    config = x86.get_default_x86_inductor_quantization_config()
+    config = x86_config(weights)
     return config.input_activation, config.weight
 
 
@@ -346,10 +347,11 @@ class _Int8Simulated(torch.nn.Module):
         return result.to(inputs.dtype)
 
 
-def _int8_output(layer: torch.nn.Module, scale: float, zero_point: int, kept: Sequence[int] = ()) -> _Int8Simulated:
-    """A stand-in for ``layer``: its output with its input and weights rounded as static int8 rounds them; the
-    input channels ``kept`` stay float (``handlers.quantize.OutlierSplit``)."""
-    activation, weight_spec = _specs()
+def _int8_output(layer: torch.nn.Module, scale: float, zero_point: int, kept: Sequence[int] = (),
+                 weights: Int8Weights = Int8Weights.FULL) -> _Int8Simulated:
+    """A stand-in for ``layer``: its output with its input and weights (in ``weights``' range) rounded as static
+    int8 rounds them; the input channels ``kept`` stay float (``handlers.quantize.OutlierSplit``)."""
+    activation, weight_spec = _specs(weights)
     observer = weight_spec.observer_or_fake_quant_ctr(dtype=weight_spec.dtype, quant_min=weight_spec.quant_min,
                                                       quant_max=weight_spec.quant_max, qscheme=weight_spec.qscheme,
                                                       ch_axis=weight_spec.ch_axis)

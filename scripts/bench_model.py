@@ -17,7 +17,8 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16),
     pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: handlers.quantize.stays_float's rule),
     pt2e-static-int8[-bf16]-measured-cpp (the int8 rung's form: that rule, less the float layers a per-layer
-    measurement finds cheap, handlers.sensitivity; C++ wrapper),
+    measurement finds cheap, handlers.sensitivity; C++ wrapper; its weights in the rung's range for this CPU,
+    handlers.hardware.int8_weights), pt2e-static-int8-measured-cpp-full-weights (full-range weights on any CPU),
     compile-dynamic-{fp32,bf16}-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those with attention as SDPA, where
     every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
@@ -72,6 +73,7 @@ class Variant:
     cpp_wrapper: bool = False  # inductor's C++ wrapper (pt2.compile.options.cpp_wrapper)
     max_autotune: bool = False  # inductor's own GEMM templates raced against the libraries (options.max_autotune)
     attention: str = "auto"  # compiled variants: pt2_handlers.attention (auto: the fused kernel where it applies)
+    full_weights: bool = False  # pt2e: weights in [-128, 127] on any CPU (the rung: 7 bits without int8 dot products)
 
 
 MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
@@ -113,6 +115,9 @@ VARIANTS = (
             cpp_wrapper=True),
     Variant("pt2e-static-int8-bf16-measured-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True),
+    # ... with full-range weights where the rung takes 7-bit ones (a CPU without int8 dot products: they saturate).
+    Variant("pt2e-static-int8-measured-cpp-full-weights", "pt2e", "int8", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, full_weights=True),
     # The shipped forms with attention as PyTorch's SDPA (pt2_handlers.attention: sdpa), against the fused kernel.
     Variant("compile-dynamic-bf16-sdpa", "compile", "bfloat16", dynamic=True, attention="sdpa"),
     Variant("compile-dynamic-fp32-sdpa", "compile", "float32", dynamic=True, attention="sdpa"),
@@ -259,16 +264,19 @@ def pt2e_runner(module: Any, variant: Variant, calibration: list[Batch]) -> Runn
 
     import torch
 
-    from handlers.quantize import static_int8
+    from handlers.hardware import int8_weights
+    from handlers.quantize import Int8Weights, static_int8
 
+    weights = Int8Weights.FULL if variant.full_weights else int8_weights()
+    log(f"{variant.name}: {weights.describe()}")
     pattern = variant.float_linears
     rest = torch.bfloat16 if variant.dtype == "int8+bfloat16" else torch.float32
     model = copy.deepcopy(module)
     if pattern == MEASURED:
-        keep_float = measured_float_layers(module, model, calibration)
+        keep_float = measured_float_layers(module, model, calibration, weights)
     else:
         keep_float = lambda name, layer: bool(pattern and re.search(pattern, name))  # noqa: E731
-    quantized = static_int8(model, calibration, rest, keep_float=keep_float)
+    quantized = static_int8(model, calibration, rest, keep_float=keep_float, weights=weights)
     return one_graph_runner(compile_as_rung(quantized, variant))
 
 
@@ -339,7 +347,7 @@ def positional_embedder_class() -> type:
     return Positional
 
 
-def measured_float_layers(module: Any, copy_of_module: Any, calibration: list[Batch]) -> Any:
+def measured_float_layers(module: Any, copy_of_module: Any, calibration: list[Batch], weights: Any) -> Any:
     """The int8 rung's float layers (handlers.quantize.stays_float) less those handlers.sensitivity takes, scored
     as the embeddings gate scores them (min cosine, threshold 0.99) on the calibration batches; those it takes with
     their largest input channels in float are split in ``copy_of_module``, as the ladder does."""
@@ -358,7 +366,7 @@ def measured_float_layers(module: Any, copy_of_module: Any, calibration: list[Ba
     linears = {name: layer for name, layer in module.named_modules() if isinstance(layer, torch.nn.Linear)}
     candidates = [name for name, layer in linears.items() if stays_float(name, layer)]
     choice = choose(module, candidates, calibration, score, threshold=0.99,
-                    quantized=[name for name in linears if name not in candidates])
+                    quantized=[name for name in linears if name not in candidates], weights=weights)
     log(f"measured: {choice.describe()}: {', '.join(choice.taken)}; split: {', '.join(choice.split)}")
     taken = {*choice.taken, *split_outliers(copy_of_module, choice.split).values()}
     return lambda name, layer: stays_float(name, layer) and name not in taken

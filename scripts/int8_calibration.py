@@ -58,6 +58,7 @@ def main() -> None:
 
     from handlers import calibration
     from handlers.modeling import load_pretrained
+    from handlers.hardware import int8_weights
     from handlers.quantize import narrows, static_int8
     from handlers.tasks.embeddings import EmbeddingsTask
 
@@ -97,7 +98,7 @@ def main() -> None:
     for source, batches in sources.items():
         log(f"calibrating on {source} ({len(batches)} batches)")
         keep_float = {} if forms[source] is None else {"keep_float": forms[source]}
-        quantized = static_int8(copy.deepcopy(reference), batches, rest, **keep_float)
+        quantized = static_int8(copy.deepcopy(reference), batches, rest, weights=int8_weights(), **keep_float)
         row: dict[str, Any] = {"calibration": source}
         with torch.inference_mode():
             for name, judged_batches in judged.items():

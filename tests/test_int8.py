@@ -5,6 +5,7 @@ tests/test_torchserve.py serves the shipped int8 archive compiled by inductor)."
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,15 @@ TEXTS = ["int8 keeps two nines of cosine", "a second, rather longer sentence abo
 
 
 @pytest.mark.torchao
-def test_int8_is_tried_only_where_the_cpu_has_int8_dot_products():
+def test_int8_is_tried_on_every_cpu_its_weights_in_7_bits_where_the_cpu_has_no_int8_dot_products():
     configured = (INT8, BF16, FP32)
-    assert hardware.resolve_precisions(configured, CPU, VNNI_AND_BF16) == hardware.Choice(configured, "configured")
-    assert "int8 is CPU-only here" in quantize.int8_problem(torch.device("cuda"), VNNI_AND_BF16)
-    dropped = hardware.resolve_precisions(configured, CPU, AVX2_ONLY)
-    assert dropped.value == (BF16, FP32)
-    assert dropped.reason.startswith("configured, less int8: the CPU has none of amx_int8/avx512_vnni/avx_vnni")
-    alone = hardware.resolve_precisions((INT8,), CPU, AVX2_ONLY)
-    assert alone.value == (FP32,) and alone.reason.startswith("configured int8 alone, but the CPU has none")
+    for features in (VNNI_AND_BF16, AVX2_ONLY):
+        assert hardware.resolve_precisions(configured, CPU, features) == hardware.Choice(configured, "configured")
+    assert hardware.int8_weights(VNNI_AND_BF16) is quantize.Int8Weights.FULL
+    assert hardware.int8_weights({"avx_vnni": True}) is quantize.Int8Weights.FULL
+    assert hardware.int8_weights(AVX2_ONLY) is quantize.Int8Weights.SEVEN_BITS
+    assert quantize.Int8Weights.SEVEN_BITS.describe().startswith("weights in [-64, 63]: the CPU has none of amx_int8")
+    assert "int8 is CPU-only here" in quantize.int8_problem(torch.device("cuda"))
 
 
 @pytest.mark.torchao
@@ -43,7 +44,7 @@ def test_auto_never_picks_int8_and_int8_then_auto_takes_what_auto_picks():
     choice = hardware.resolve_precisions((INT8, AUTO), CPU, amx)
     assert choice.value == (INT8, BF16, FP32) and "auto: the CPU has amx_bf16" in choice.reason
     assert hardware.resolve_precisions((INT8, AUTO), CPU, {"avx512_vnni": True}).value == (INT8, FP32)
-    assert hardware.resolve_precisions((INT8, AUTO), CPU, AVX2_ONLY).value == (FP32,)
+    assert hardware.resolve_precisions((INT8, AUTO), CPU, AVX2_ONLY).value == (INT8, FP32)
 
 
 def test_without_torchao_int8_is_left_out_and_describe_says_why():
@@ -79,16 +80,6 @@ def test_the_int8_gate_thresholds_are_configurable_and_checked():
 def test_generation_refuses_int8_in_the_yaml():
     with pytest.raises(ConfigError, match="text-generation serves float32"):
         load_config({"pt2_handlers": {"task": "text-generation", "dtype": ["int8", "float32"]}})
-
-
-@pytest.fixture
-def int8_cpu(monkeypatch):
-    """int8 runs on any x86 CPU, but without int8 dot products slowly and not always exactly (see
-    test_int8_is_offered_exactly_where_its_matmuls_are_exact). Where this one has none the engine would drop it, so
-    it is told they are there: what is tested is the ladder's int8 path, not its speed."""
-    features = hardware.cpu_features()
-    if not any(features.get(name) for name in quantize.INT8_CPU_FEATURES):
-        monkeypatch.setattr(hardware, "cpu_features", lambda: {**features, "avx512_vnni": True})
 
 
 def load(model_dir: Path, task: str, dtype, **settings) -> Engine:
@@ -142,7 +133,7 @@ CALIBRATION_TEXTS = [  # what a search box might be sent, 12 texts: 9 to calibra
 
 @pytest.mark.torchao
 @pytest.mark.parametrize("calibration_file", [False, True], ids=["vocabulary-sample", "calibration-file"])
-def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir, reference, tmp_path,
+def test_minilm_embeddings_compile_in_int8_within_the_gate(minilm_dir, reference, tmp_path,
                                                            calibration_file):
     """int8 is calibrated on the archive's file, or on a vocabulary sample, and judged on the warmup batches and
     on held-out texts it was not calibrated on: describe says which, and gives the held-out value."""
@@ -161,6 +152,7 @@ def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir,
         f"calibrated on the warmup batches ({warmed} batches); judged on the {warmed} warmup batches and {warmed} "
         f"held-out batches of {sum(size for size, _ in engine.shapes.warmup_shapes())} texts of the vocabulary's")
     assert optimization["int8_calibration"].startswith(said), optimization["int8_calibration"]
+    assert optimization["int8_weights"] == hardware.int8_weights().describe()
     for attempt in optimization["attempts"][:2]:
         assert attempt["quality"]["metric"] == "min_cosine"
         assert attempt["quality"]["threshold"] == 0.99 <= attempt["quality"]["value"] < 0.9999
@@ -171,7 +163,7 @@ def test_minilm_embeddings_compile_in_int8_within_the_gate(int8_cpu, minilm_dir,
 
 
 @pytest.mark.torchao
-def test_a_head_whose_labels_int8_flips_is_screened_out_and_compiles_in_fp32(int8_cpu, task_model_dirs):
+def test_a_head_whose_labels_int8_flips_is_screened_out_and_compiles_in_fp32(task_model_dirs):
     """The seeded NER head moves probabilities by 2-4 % even in bf16; in int8 its labels change: the int8 screen
     says so, and one compile serves fp32."""
     engine = load(task_model_dirs["minilm-ner"], "token-classification", ["int8", "float32"])
@@ -214,9 +206,10 @@ def int_mm_is_exact() -> bool:
     return torch.equal(torch._int_mm(a, b), a.int() @ b.int())
 
 
-def int8_matmul_is_exact() -> bool:
-    """Whether the int8 rung's matmul (oneDNN's u8 x s8 ``qlinear``, which PT2E's int8 compiles to, frozen) gives
-    the PT2E reference's answers here, for activations spread over the whole uint8 range."""
+def int8_matmul_is_exact(weights: quantize.Int8Weights) -> bool:
+    """Whether the int8 rung's matmul (oneDNN's u8 x s8 ``qlinear``, which PT2E's int8 compiles to, frozen), its
+    weights in ``weights``' range, gives the PT2E reference's answers here, for activations spread over the whole
+    uint8 range."""
     from handlers.rungs import CompileRung
 
     generator = torch.Generator().manual_seed(0)
@@ -231,7 +224,7 @@ def int8_matmul_is_exact() -> bool:
         def forward(self, inputs: torch.Tensor) -> torch.Tensor:
             return self.linear(inputs)
 
-    module = quantize.static_int8(OneLinear().eval(), examples, keep_float=lambda name, layer: False)
+    module = quantize.static_int8(OneLinear().eval(), examples, keep_float=lambda name, layer: False, weights=weights)
     rung = CompileRung("compile", CompileSpec(enabled=True, backend="inductor"))
     torch._dynamo.reset()
     try:
@@ -247,15 +240,39 @@ def int8_matmul_is_exact() -> bool:
 
 
 @pytest.mark.torchao
-def test_int8_is_offered_exactly_where_its_matmuls_are_exact():
+def test_the_int8_weights_this_cpu_gets_keep_its_matmuls_exact_where_full_range_ones_need_int8_dot_products():
     """Without VNNI or AMX, oneDNN multiplies u8 x s8 with AVX2's vpmaddubsw, which sums each pair of products into
-    a saturating int16: full-range rows come out wrong (the linear layer below 13 % off the PT2E reference on an
-    AVX2-only EPYC; the model above 0.85 with ONEDNN_MAX_CPU_ISA=AVX2). So the CPUs where int8 is
-    left out are exactly those where it would be wrong, not only slow. (``torch._int_mm``, s8 x s8, is exact on that
-    EPYC: the rung's own kernel is what is judged.) On an AVX-512 machine PT2_TEST_ISA=avx2 runs this as an
-    AVX2-only CPU does."""
-    offered = quantize.int8_problem(CPU, hardware.cpu_features()) is None
-    assert offered == int8_matmul_is_exact(), (offered, hardware.cpu_features())
+    a saturating int16: full-range weights come out wrong (the linear layer below 13 % off the PT2E reference on an
+    AVX2-only EPYC; MiniLM below the gate there). 7-bit weights cannot saturate it, so the CPUs that get them are
+    exactly those where full-range ones would be wrong. (``torch._int_mm``, s8 x s8, is exact on that EPYC: the
+    rung's own kernel is what is judged.) On an AVX-512 machine PT2_TEST_ISA=avx2 runs this as an AVX2-only CPU
+    does."""
+    features = hardware.cpu_features()
+    assert int8_matmul_is_exact(hardware.int8_weights()), features
+    full_is_exact = int8_matmul_is_exact(quantize.Int8Weights.FULL)
+    assert full_is_exact == (hardware.int8_weights() is quantize.Int8Weights.FULL), features
+
+
+@pytest.mark.torchao
+def test_7_bit_weights_are_rounded_per_output_channel_into_64_steps_each_side():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 16).eval()
+    examples = [{"input": torch.randn(4, 32)} for _ in range(2)]
+    ranges = {}
+    for weights in quantize.Int8Weights:
+        module = quantize.static_int8(torch.nn.Sequential(copy.deepcopy(linear)), examples,
+                                      keep_float=lambda name, layer: False, weights=weights)
+        [stored] = [tensor for tensor in module.graph.state_dict().values() if tensor.dtype == torch.int8]
+        ranges[weights] = (stored.min(dim=1).values.tolist(), stored.max(dim=1).values.tolist())
+        with torch.no_grad():
+            got = module(**examples[0])
+        relative = ((got - linear(examples[0]["input"])).norm() / got.norm()).item()
+        assert relative < 0.02, (weights, relative)
+    # Symmetric per channel: each row's largest weight takes the range's end.
+    full_low, full_high = ranges[quantize.Int8Weights.FULL]
+    seven_low, seven_high = ranges[quantize.Int8Weights.SEVEN_BITS]
+    assert all(low >= -128 and high <= 127 and max(-low, high) >= 127 for low, high in zip(full_low, full_high))
+    assert all(low >= -64 and high <= 63 and max(-low, high) >= 63 for low, high in zip(seven_low, seven_high))
 
 
 @pytest.mark.torchao
