@@ -322,21 +322,24 @@ def test_features_torch_or_onednn_are_held_below_are_not_used(aten, onednn, held
     assert features_held_back(aten, onednn) == held
 
 
-def test_kernels_held_to_avx2_serve_fp32_and_refuse_int8_as_an_avx2_cpu_does():
-    """A real worker-like process with torch's and oneDNN's own switches set, as PT2_TEST_ISA=avx2 runs the suite."""
+def test_kernels_held_to_avx2_serve_fp32_and_take_7_bit_int8_weights_as_an_avx2_cpu_does():
+    """A real worker-like process with torch's and oneDNN's own switches set, as PT2_TEST_ISA=avx2 runs the suite.
+    int8, where torchao imports, is tried with 7-bit weights, which AVX2's int16 pair sums cannot saturate."""
     import subprocess
     import sys
 
-    probe = ("import torch; from handlers import hardware; from handlers.config import DType as D\n"
+    probe = ("import torch; from handlers import hardware, quantize; from handlers.config import DType as D\n"
              "cpu = torch.device('cpu')\n"
              "print(hardware.resolve_precisions((D.AUTO,), cpu).value == (D.FLOAT32,))\n"
-             "print(hardware.resolve_precisions((D.INT8, D.AUTO), cpu).value == (D.FLOAT32,))\n"
+             "int8 = (D.INT8,) if quantize.probe_torchao()[0] is not None else ()\n"
+             "print(hardware.resolve_precisions((D.INT8, D.AUTO), cpu).value == (*int8, D.FLOAT32))\n"
              "print(hardware.resolve_precisions((D.AUTO,), cpu).reason)\n"
-             "print(sorted(name for name, found in hardware.cpu_has().items() if found))")
+             "print(sorted(name for name, found in hardware.cpu_has().items() if found))\n"
+             "print(hardware.int8_weights().name)")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
-    assert out[:2] == ["True", "True"], out
+    assert out[:2] == ["True", "True"] and out[4] == "SEVEN_BITS", out
     if any(name in out[3] for name in AVX512_AND_AMX | {"avx_vnni"}):  # a CPU with them: describe says who held them
         assert "held back here:" in out[2] and "torch dispatches at AVX2, ONEDNN_MAX_CPU_ISA=AVX2" in out[2], out[2]
     else:
