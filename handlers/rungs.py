@@ -7,6 +7,7 @@ Each rung says whether it can run here (``unavailable_reason``) and wraps a modu
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -17,7 +18,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from handlers.config import CompileSpec, DType, HandlerConfig, RungName
-from handlers import global_state, prepacked_cache
+from handlers import global_state, prepacked_cache, small_batches
 from handlers.ipex import IPEX_BACKEND, probe_ipex
 
 Forward = Callable[..., Any]
@@ -79,7 +80,16 @@ class CompileRung(Rung):
         return dtype is not DType.INT8 or self.spec.backend != IPEX_BACKEND  # IPEX's backend knows no torchao
 
     def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
-        kwargs = self.spec.kwargs()
+        if self.spec.uses_cuda_graphs and _device_of(module).type == "cuda":
+            return _with_cudagraph_steps(self._compiled(module, self.spec.kwargs(), dtype))
+        forward = self._compiled(module, self.spec.kwargs(), dtype)
+        if self._small_batch_graph(module, dtype):
+            # A copy: each graph freezes its own weights, and dynamo keeps the two apart by the module compiled.
+            small = self._compiled(copy.deepcopy(module), self.spec.small_batch_kwargs(), dtype)
+            return small_batches.SmallBatchForward(forward, small, self.spec.small_batch_tokens)
+        return forward
+
+    def _compiled(self, module: torch.nn.Module, kwargs: dict[str, Any], dtype: DType) -> Forward:
         # Shared cores: kernels that follow the thread count, and one graph for every count (handlers.global_state).
         one_graph = (self.spec.threads_follow and self.spec.backend == "inductor"
                      and global_state.guard_can_be_left_out())
@@ -90,9 +100,11 @@ class CompileRung(Rung):
             compiled = global_state.checked(compiled)
         if self._freezes(dtype):
             compiled = _freezing_while_traced(compiled)
-        if self.spec.uses_cuda_graphs and _device_of(module).type == "cuda":
-            return _with_cudagraph_steps(compiled)
         return compiled
+
+    def _small_batch_graph(self, module: torch.nn.Module, dtype: DType) -> bool:
+        # The C++ GEMM template runs on CPUs, on constant (frozen) weights.
+        return bool(self.spec.small_batch_tokens) and self._freezes(dtype) and _device_of(module).type == "cpu"
 
     def keeps_kernels_per_shape(self, dtype: DType) -> bool:
         # Frozen, inductor prepacks float32 weights for oneDNN too wherever the rows are symbolic (its mkldnn_fusion

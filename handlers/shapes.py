@@ -54,6 +54,9 @@ class ShapePolicy:
     seq_multiple: int | None = None
     max_length: int | None = None  # the model's (``fitted``): rounding never pads past it
     length_groups: bool = True  # rows of mixed lengths may run in groups (handlers.length_groups)
+    # dynamic only: batches of at most this many tokens run a second graph, tuned at that size
+    # (handlers.small_batches); 0: one graph for every batch
+    small_batch_tokens: int = 0
 
     @property
     def dynamic(self) -> bool:
@@ -99,6 +102,8 @@ class ShapePolicy:
             described["seq_multiple"] = self.seq_multiple
         if not self.length_groups:
             described["length_groups"] = False
+        if self.small_batch_tokens:
+            described["small_batch_tokens"] = self.small_batch_tokens
         return described
 
 

@@ -19,6 +19,9 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     pt2e-static-int8[-bf16]-measured-cpp (the int8 rung's form: that rule, less the float layers a per-layer
     measurement finds cheap, handlers.sensitivity; C++ wrapper; its weights in the rung's range for this CPU,
     handlers.hardware.int8_weights), pt2e-static-int8-measured-cpp-full-weights (full-range weights on any CPU),
+    compile-dynamic-{fp32,bf16}-frozen-small32 (shapes.small_batch_tokens: 32, handlers.small_batches: batches of at
+    most 32 tokens through a second graph whose matmuls inductor autotuned at the first shape timed, template against
+    library; time it with --batch-sizes 1 ... first),
     compile-dynamic-{fp32,bf16}-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those with attention as SDPA, where
     every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
@@ -74,6 +77,7 @@ class Variant:
     max_autotune: bool = False  # inductor's own GEMM templates raced against the libraries (options.max_autotune)
     attention: str = "auto"  # compiled variants: pt2_handlers.attention (auto: the fused kernel where it applies)
     full_weights: bool = False  # pt2e: weights in [-128, 127] on any CPU (the rung: 7 bits without int8 dot products)
+    small_batch_tokens: int = 0  # a second graph for batches of at most this many tokens (shapes.small_batch_tokens)
 
 
 MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
@@ -126,6 +130,11 @@ VARIANTS = (
     # max_autotune: inductor's C++ GEMM templates (AVX-512 / VNNI / AMX micro-kernels) raced against oneDNN and MKL
     # for each matmul at compile time; compiles far longer, once per cache.
     Variant("compile-dynamic-fp32-autotune", "compile", "float32", dynamic=True, max_autotune=True),
+    # shapes.small_batch_tokens: 32: batches of at most 32 tokens through a second graph, autotuned at 1 x 16
+    Variant("compile-dynamic-fp32-frozen-small32", "compile", "float32", dynamic=True, freezing=True,
+            small_batch_tokens=32),
+    Variant("compile-dynamic-bf16-frozen-small32", "compile", "bfloat16", dynamic=True, freezing=True,
+            small_batch_tokens=32),
     Variant("pt2e-static-int8-measured-cpp-autotune", "pt2e", "int8", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, max_autotune=True),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
@@ -234,7 +243,8 @@ def compile_as_rung(module: Any, variant: Variant) -> Any:
 
     options = {key: True for key, wanted in (("cpp_wrapper", variant.cpp_wrapper),
                                              ("max_autotune", variant.max_autotune)) if wanted}
-    spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing, options=options or None)
+    spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing, options=options or None,
+                       small_batch_tokens=variant.small_batch_tokens)
     return CompileRung("compile", spec).apply(module, DType.FLOAT32)
 
 

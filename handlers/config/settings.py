@@ -48,6 +48,14 @@ class ShapesSection(Section):
     length, each padded only to its own longest, where a cost model fitted at load says that is faster than one
     forward padded to the batch's longest. `false`: every batch as one padded forward."""
 
+    small_batch_tokens: PositiveInt | None = None
+    """`dynamic` only, with `freezing: true`: batches of at most this many tokens (rows x padded length, e.g. 32)
+    run a second graph of each compile rung, traced at the smallest warmup shape, whose matmuls inductor picks at
+    that size between its C++ GEMM template and oneDNN/MKL (`max_autotune`); larger batches run the first graph,
+    as without it. MiniLM fp32 on an AVX2-only CPU: a forward of one text of 16 tokens 27 % faster, of 32 tokens
+    23 %; the template is slower from 64 rows of tokens up (docs/performance.md: small batches). Costs a second
+    compile at load and a second copy of the frozen weights. Left out: one graph for every batch."""
+
     @field_validator("policy")
     @classmethod
     def _policy_agrees_with_compile(cls, policy: PolicyKind, info: ValidationInfo) -> PolicyKind:
@@ -67,6 +75,21 @@ class ShapesSection(Section):
             raise problem(f"the dynamic policy warms batch size 1 and one >= 2 (torch specializes size 1), got {sizes}")
         return sizes
 
+    @field_validator("small_batch_tokens")
+    @classmethod
+    def _small_batches_need_dynamic_shapes(cls, tokens: int | None, info: ValidationInfo) -> int | None:
+        if tokens is None or "policy" not in info.data:
+            return tokens
+        kind = info.data["policy"] or _implied_policy((info.context or {}).get("compile_dynamic"))
+        if kind is not PolicyKind.DYNAMIC:
+            raise problem("a second graph for small batches needs the dynamic policy (buckets compile a graph per "
+                          "bucket already); drop small_batch_tokens or use policy: dynamic")
+        smallest = min(info.data.get("batch_sizes") or [1]) * min(info.data.get("seq_lengths") or [16])
+        if tokens < smallest:
+            raise problem(f"no warmup shape has at most {tokens} tokens (the smallest: {smallest}), so the small "
+                          "batches' graph would be compiled on live traffic; raise it or warm a smaller shape")
+        return tokens
+
 
 def _implied_policy(compile_dynamic: bool | None) -> PolicyKind:
     return PolicyKind.DYNAMIC if compile_dynamic else PolicyKind.BUCKETS
@@ -79,7 +102,7 @@ def shape_policy(section: ShapesSection, defaults: ShapePolicy, compile_dynamic:
                        batch_sizes=tuple(section.batch_sizes or defaults.batch_sizes),
                        seq_lengths=tuple(section.seq_lengths or defaults.seq_lengths),
                        after_ready=section.after_ready, seq_multiple=section.seq_multiple,
-                       length_groups=section.length_groups)
+                       length_groups=section.length_groups, small_batch_tokens=section.small_batch_tokens or 0)
 
 
 def _gate_thresholds_model() -> type[BaseModel]:
@@ -302,6 +325,15 @@ class SettingsSection(Section):
     """Failed optimized forwards on live batches before the worker demotes itself to fp32 eager."""
     max_inputs_per_request: PositiveInt = DEFAULTS.max_inputs_per_request
     """Texts per request (question answering: context windows); more gets a 400."""
+
+    @field_validator("freezing")
+    @classmethod
+    def _small_batches_need_freezing(cls, freezing: bool, info: ValidationInfo) -> bool:
+        shapes = info.data.get("shapes")
+        if shapes is not None and shapes.small_batch_tokens and not freezing:
+            raise problem("shapes.small_batch_tokens needs freezing: true (inductor's C++ GEMM template, which the "
+                          "small batches' graph is for, takes constant weights only)")
+        return freezing
 
     @field_validator("int8_calibration")
     @classmethod

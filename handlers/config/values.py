@@ -71,6 +71,9 @@ class CompileSpec:
     # inductor's CPU kernels ask OpenMP for the thread count at each call instead of keeping the count they were
     # compiled at: the worker shares its cores forward by forward (handlers.core_share)
     threads_follow: bool = False
+    # inductor, dynamic and frozen only: batches of at most this many tokens run a second graph whose matmuls
+    # inductor picks at that size (handlers.small_batches); 0: one graph
+    small_batch_tokens: int = 0
 
     def kwargs(self) -> dict[str, Any]:
         """Fresh keyword arguments for ``torch.compile`` (the backend resolved to a callable if custom)."""
@@ -95,9 +98,19 @@ class CompileSpec:
     def uses_cuda_graphs(self) -> bool:
         return self.mode in ("reduce-overhead", "max-autotune") or bool((self.options or {}).get("triton.cudagraphs"))
 
-    def with_shapes(self, dynamic: bool, freezing: bool) -> CompileSpec:
+    def small_batch_kwargs(self) -> dict[str, Any]:
+        """``kwargs()`` for the small batches' graph: inductor autotunes each matmul at the size it is traced at,
+        between its C++ GEMM template and the library kernels (ATEN: oneDNN/MKL)."""
+        kwargs = self.kwargs()
+        kwargs["options"] = {**kwargs.get("options", {}), "max_autotune": True,
+                             "max_autotune_gemm_backends": "CPP,ATEN"}
+        return kwargs
+
+    def with_shapes(self, dynamic: bool, freezing: bool, small_batch_tokens: int = 0) -> CompileSpec:
         """This compile as the shape policy and the CPU fast path run it."""
-        return replace(self, dynamic=dynamic, freezing=freezing and self.backend == "inductor", one_graph=dynamic)
+        freezing = freezing and self.backend == "inductor"
+        return replace(self, dynamic=dynamic, freezing=freezing, one_graph=dynamic,
+                       small_batch_tokens=small_batch_tokens if dynamic and freezing else 0)
 
     def safer(self) -> CompileSpec:
         """The fallback compile: inductor in default mode, no freezing or custom options, graph breaks allowed,
@@ -114,6 +127,7 @@ class CompileSpec:
             "options": dict(self.options) if self.options is not None else None,
             "freezing": self.freezing,
             "one_graph": self.one_graph,
+            "small_batch_tokens": self.small_batch_tokens or None,
         }
 
 
@@ -150,7 +164,8 @@ class HandlerConfig:
     @property
     def served_compile(self) -> CompileSpec:
         """The requested compile with the shape policy's dynamism and the fast path's freezing."""
-        return self.compile.with_shapes(self.settings.shapes.dynamic, self.settings.freezing)
+        return self.compile.with_shapes(self.settings.shapes.dynamic, self.settings.freezing,
+                                        self.settings.shapes.small_batch_tokens)
 
 
 def resolve_backend(name: str) -> str | Callable[..., Any]:
