@@ -24,6 +24,7 @@ from ts.metrics.metric_type_enum import MetricTypes
 from ts.utils.util import PredictionException
 
 from handlers import compile_cache
+from handlers.batch_gauges import GaugeWindow
 from handlers.config import load_config
 from handlers.engine import Engine
 from handlers.errors import ConfigError, HandlerError, InvalidInput
@@ -82,6 +83,7 @@ class Pt2Handler(BaseHandler):
         logger.info("model %s: %d objects the load left kept out of full garbage collections", context.model_name,
                     frozen)
         self.context = context
+        self._batch_gauges = GaugeWindow(config.settings.batch_metrics_every_s)
         pid = str(os.getpid())
         for attempt in self.engine.attempts:  # each rung x precision tried, the screens included
             tried = {"Rung": attempt.rung, "Precision": attempt.dtype or "none", "Status": attempt.status.value}
@@ -149,11 +151,13 @@ class Pt2Handler(BaseHandler):
                         WorkerPid=pid)
             self._gauge("Pt2ActiveRung", 1, "count", Rung=after["active"], Precision="float32", WorkerPid=pid)
         batch = engine.last_batch
-        for stage, milliseconds in batch.milliseconds.items():
-            self._gauge("Pt2StageMilliseconds", milliseconds, "ms", Stage=stage)
-        self._gauge("Pt2BatchRequests", batch.requests, "count")
-        self._gauge("Pt2ForwardThreads", batch.threads, "count")
-        self._gauge("Pt2PaddingPercent", round(100 * batch.padding_ratio, 2), "percent")
+        values = {("Pt2StageMilliseconds", "ms", stage): milliseconds for stage, milliseconds in
+                  batch.milliseconds.items()}
+        values[("Pt2BatchRequests", "count", None)] = batch.requests
+        values[("Pt2ForwardThreads", "count", None)] = batch.threads
+        values[("Pt2PaddingPercent", "percent", None)] = 100 * batch.padding_ratio
+        for (name, unit, stage), value in (self._batch_gauges.add(values) or {}).items():
+            self._gauge(name, round(value, 3), unit, **({"Stage": stage} if stage else {}))
 
     def _counter(self, name: str, value: float, **dimensions: str) -> None:
         _emit(self.context, name, value, "count", MetricTypes.COUNTER, **dimensions)

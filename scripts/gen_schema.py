@@ -123,6 +123,8 @@ def _type(schema: dict[str, Any], node: dict[str, Any]) -> str:
     if kind == "integer" and node.get("exclusiveMinimum") == 0:
         return "integer > 0"
     if kind == "number" and "minimum" in node:
+        if "maximum" not in node:
+            return f"number >= {node['minimum']:g}"
         return f"number in [{node['minimum']:g}, {node['maximum']:g}]"
     return {"boolean": "bool", "string": "string", "integer": "integer", "number": "number"}.get(kind, str(kind))
 

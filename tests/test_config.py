@@ -235,7 +235,7 @@ def test_settings_section_with_every_key():
                                                        "seq_lengths": [32], "after_ready": "fail"},
         "quality_gate": {"min_cosine": 0.99, "min_cosine_half": 0.98}, "freezing": False, "threads": 3,
         "compile_cache": "/srv/cache", "max_runtime_failures": 5, "max_inputs_per_request": 8,
-        "too_long": "reject",
+        "too_long": "reject", "batch_metrics_every_s": 5,
     }}).settings
     assert settings.model_dir == "weights" and settings.max_length == 128
     assert settings.too_long is TooLong.REJECT
@@ -246,6 +246,15 @@ def test_settings_section_with_every_key():
     assert dict(settings.quality_gate) == {"min_cosine": 0.99, "min_cosine_half": 0.98}
     assert (settings.freezing, settings.threads, settings.compile_cache) == (False, 3, "/srv/cache")
     assert (settings.max_runtime_failures, settings.max_inputs_per_request) == (5, 8)
+    assert settings.batch_metrics_every_s == 5.0
+
+
+@pytest.mark.parametrize("every_s", [-1, True, "1s"])
+def test_batch_metrics_every_s_is_a_number_of_seconds(every_s):
+    assert load_config({}).settings.batch_metrics_every_s == 1.0
+    assert load_config({"pt2_handlers": {"batch_metrics_every_s": 0}}).settings.batch_metrics_every_s == 0.0
+    with pytest.raises(ConfigError, match="pt2_handlers.batch_metrics_every_s"):
+        load_config({"pt2_handlers": {"batch_metrics_every_s": every_s}})
 
 
 def test_seq_multiple_is_read_from_the_shapes_section():

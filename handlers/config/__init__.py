@@ -76,7 +76,7 @@ def _settings(section: SettingsSection, compile_dynamic: bool | None) -> Handler
         quality_gate=section.quality_gate, freezing=section.freezing, attention=section.attention,
         threads=section.threads,
         compile_cache=section.compile_cache, max_runtime_failures=section.max_runtime_failures,
-        max_inputs_per_request=section.max_inputs_per_request,
+        max_inputs_per_request=section.max_inputs_per_request, batch_metrics_every_s=section.batch_metrics_every_s,
     )
 
 

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictInt, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictFloat, StrictInt, ValidationError,
+                      model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
@@ -64,6 +65,7 @@ def one_of(enum_cls: type) -> Any:
 
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
+Seconds = Annotated[StrictFloat, Field(ge=0)]  # an int is read as a float; a bool or a string is refused
 
 
 class Section(BaseModel):

@@ -151,6 +151,7 @@ class HandlerSettings:
     compile_cache: str | None = None  # None: TORCHINDUCTOR_CACHE_DIR, else torch's default
     max_runtime_failures: int = 3
     max_inputs_per_request: int = 64
+    batch_metrics_every_s: float = 1.0  # the per-batch gauges: means of each window this long; 0: every batch
 
 
 @dataclass(frozen=True)
