@@ -70,6 +70,7 @@ _LOAD_LOOK_SECONDS = 0.25  # between looks while a sibling loads: a load takes s
 _BUSY_LOOK_S = 0.25  # how long a worker that loads beside serving ones looks for their batches (a busy one has
 # one every few ms; a quarter second of a load of tens, paid beside idle ones only)
 _BUSY_LOOK_EVERY_S = 0.005
+_STATE_BYTES = _FIRST_SLOT + SLOTS * _SLOT_BYTES - _CONTENDED  # read at once per forward: the record, then the slots
 _CLAIMED = b"\x01"  # a slot never claimed reads 0: the others skip its locks (3 syscalls each, per forward)
 _LAYOUT = 5  # in the file's name: a worker of an earlier release, on the old layout, never reads this one
 
@@ -111,6 +112,7 @@ class CoreShare:
         self._lock = threading.Lock()
         self._depth = {_BATCH: 0, _FORWARD: 0}  # nested holds of this slot's bytes, within this process
         self._loads = 0  # engines of this process that hold the load turn
+        self._threads_written: int | None = None  # the threads byte of this slot as last written
 
     @property
     def joined(self) -> bool:
@@ -133,10 +135,13 @@ class CoreShare:
         started = time.perf_counter()
         while True:
             with self._mutex():
-                holding, running = self._others()
-                threads = _within(max(1, self.cores // self._sharing(holding + 1)), runs_at)
+                state = self._read_state()
+                holding, running = self._others(state)
+                threads = _within(max(1, self.cores // self._sharing(holding + 1, state)), runs_at)
                 if running == 0 or running + threads <= self.cores:
-                    os.pwrite(self._fd, bytes([min(threads, 255)]), self._offset(_THREADS))
+                    if threads != self._threads_written:  # only this process writes its slot's byte
+                        os.pwrite(self._fd, bytes([min(threads, 255)]), self._offset(_THREADS))
+                        self._threads_written = threads
                     self._take(_FORWARD)
                     break
             time.sleep(_WAIT_SECONDS)
@@ -198,8 +203,9 @@ class CoreShare:
         started = time.monotonic()
         while True:
             with self._mutex():
-                holding, _ = self._others()
-                when, _ = _CONTENDED_FORMAT.unpack(os.pread(self._fd, _CONTENDED_FORMAT.size, _CONTENDED))
+                state = self._read_state()
+                holding, _ = self._others(state)
+                when, _ = _CONTENDED_FORMAT.unpack_from(state, 0)
             if holding or when >= started:
                 return True
             if time.monotonic() - started >= seconds:
@@ -209,7 +215,7 @@ class CoreShare:
     def _serving_others(self) -> int:
         if self.slot is None:
             return 0
-        return sum(self._is_locked(self._offset(_SERVING, slot)) for slot in self._other_slots(self._slot_bytes()))
+        return sum(self._is_locked(self._offset(_SERVING, slot)) for slot in self._other_slots(self._read_state()))
 
     def _take_load(self, model: str) -> bool:
         with self._lock:
@@ -237,35 +243,35 @@ class CoreShare:
         """The model the worker holding the load turn loads (as it wrote it; empty while it has not)."""
         return os.pread(self._fd, _LOADER_BYTES, _LOADER).rstrip(b"\0").decode(errors="replace")
 
-    def _sharing(self, now_holding: int) -> int:
+    def _sharing(self, now_holding: int, state: bytes) -> int:
         """Workers to share the cores among: those holding a batch now (this one too), or as many as held batches at
-        once within ``remember_s``. Called under the mutex, which also guards the record."""
+        once within ``remember_s``. Called under the mutex, which also guards the record (``state``: read under it)."""
         now = time.monotonic()
         if now_holding > 1:
             os.pwrite(self._fd, _CONTENDED_FORMAT.pack(now, min(now_holding, 255)), _CONTENDED)
             return now_holding
-        when, workers = _CONTENDED_FORMAT.unpack(os.pread(self._fd, _CONTENDED_FORMAT.size, _CONTENDED))
+        when, workers = _CONTENDED_FORMAT.unpack_from(state, 0)
         return max(1, workers) if 0 <= now - when <= self.remember_s else 1
 
-    def _others(self) -> tuple[int, int]:
+    def _others(self, state: bytes) -> tuple[int, int]:
         """Other workers holding a batch, and the threads of the others' running forwards."""
-        counts = self._slot_bytes()
         holding = running = 0
-        for slot in self._other_slots(counts):
+        for slot in self._other_slots(state):
             holding += self._is_locked(self._offset(_BATCH, slot))
             if self._is_locked(self._offset(_FORWARD, slot)):
-                running += counts[slot * _SLOT_BYTES + _THREADS] or 1
+                running += state[_slot_at(slot) + _THREADS] or 1
         return holding, running
 
-    def _slot_bytes(self) -> bytes:
-        return os.pread(self._fd, SLOTS * _SLOT_BYTES, _FIRST_SLOT)
+    def _read_state(self) -> bytes:
+        """The record of overlapping batches and every slot's bytes, in one read: from ``_CONTENDED`` on."""
+        return os.pread(self._fd, _STATE_BYTES, _CONTENDED)
 
-    def _other_slots(self, slot_bytes: bytes) -> Iterator[int]:
+    def _other_slots(self, state: bytes) -> Iterator[int]:
         """The slots another live process owns. A slot is marked claimed before its owner takes any batch, so one
         never marked is skipped unlocked; a mark outlives its process (a killed one cannot clear it), so a marked slot
         is owned only while its byte is locked."""
         for slot in range(SLOTS):
-            if (slot != self.slot and slot_bytes[slot * _SLOT_BYTES + _OWNED]
+            if (slot != self.slot and state[_slot_at(slot) + _OWNED]
                     and self._is_locked(self._offset(_OWNED, slot))):
                 yield slot
 
@@ -331,6 +337,11 @@ class CoreShare:
             return True
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
         return False
+
+
+def _slot_at(slot: int) -> int:
+    """Where ``slot``'s bytes start in what ``_read_state`` returns."""
+    return _FIRST_SLOT - _CONTENDED + slot * _SLOT_BYTES
 
 
 def _as_written(model: str) -> str:

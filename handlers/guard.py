@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from handlers.config import RungName
-from handlers.dynamo_watch import DynamoCounts, dynamo_counts
+from handlers.dynamo_watch import DynamoCounts, activity, dynamo_counts
 from handlers.errors import InferenceError
 from handlers.ladder import LadderResult, shape_of, summarize
 from handlers.rungs import Forward
@@ -54,12 +54,15 @@ class GuardedForward:
         self.eager_batches = 0  # unseen shapes served eagerly (after_ready: eager)
         self.compiles = 0  # graphs compiled after READY (after_ready: compile)
         self.frames_given_up = 0  # frames dynamo gave up on after READY: they ran eagerly, without an error
+        # Dynamo's counts as of the activity key beside them: read in full only when the key moved (a compile, here
+        # or elsewhere in the process), not twice around every batch
+        self._counts_at: tuple[tuple[int, int], DynamoCounts] | None = None
 
     def __call__(self, **batch: torch.Tensor) -> Any:
         with torch.inference_mode():
             if self.demoted:
                 return self._eager(**batch)
-            before = dynamo_counts()
+            before = self._counts_before()
             try:
                 with self._stance():
                     return self._optimized(**batch)
@@ -73,8 +76,15 @@ class GuardedForward:
                     self.eager_batches += 1
                     logger.info("shape %s was not warmed: served eagerly without compiling", shape_of(batch))
             finally:
-                self._count(dynamo_counts() - before)
+                if activity() != before[0]:
+                    self._count(dynamo_counts() - before[1])
             return self._eager(**batch)
+
+    def _counts_before(self) -> tuple[tuple[int, int], DynamoCounts]:
+        key = activity()
+        if self._counts_at is None or self._counts_at[0] != key:
+            self._counts_at = (key, dynamo_counts())
+        return self._counts_at
 
     def _count(self, since: DynamoCounts) -> None:
         self.compiles += since.graphs

@@ -748,6 +748,21 @@ def test_after_ready_stance_for_an_unseen_shape(net, after_ready):
     assert guard.failures == 0 and not guard.demoted
 
 
+def test_compiles_after_ready_count_the_guards_own_and_no_one_elses(net):
+    """The guard reads dynamo's counts in full only when they moved: each of its own compiles counts once, and a
+    compile elsewhere in the process between its batches is not counted as its own."""
+    torch._dynamo.reset()
+    guard = GuardedForward(static_compile(net, [1, 2]), net, max_failures=1, after_ready=AfterReady.COMPILE)
+    for rows, compiles in ((5, 1), (5, 1), (2, 1), (6, 2)):
+        batch = {"x": torch.randn(rows, 8)}
+        torch.testing.assert_close(guard(**batch), eager_out(net, batch))
+        assert guard.describe()["compiles_after_ready"] == compiles, rows
+    elsewhere = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    elsewhere(torch.randn(3))
+    guard(x=torch.randn(6, 8))
+    assert guard.describe()["compiles_after_ready"] == 2 and guard.describe()["frames_given_up"] == 0
+
+
 def test_the_refused_recompile_message_is_the_one_torch_raises(net):
     """is_refused_recompile reads torch's message; a torch upgrade that changes it must fail here."""
     torch._dynamo.reset()
