@@ -154,9 +154,9 @@ def _freezing_while_traced(compiled: Forward) -> Forward:
     """Inductor freezing that takes effect. ``torch.compile(options={"freezing": True})`` alone does nothing
     (torch 2.13): dynamo reads the global ``torch._inductor.config.freezing`` while it traces, before the options
     apply, and lifts the weights to graph inputs, which inductor cannot freeze. The flag is set around every call,
-    since any call may trace (the warmup, or a new shape after READY): set and put back directly, 13 us a call on
-    an AVX2 EPYC against 48 us through ``inductor_config.patch``, which builds a class each time. Like a patch, the
-    flag is the calling thread's (a context variable)."""
+    since any call may trace (the warmup, or a new shape after READY): set and put back directly, 6.5 us a call (p50,
+    an AVX2 EPYC, scripts/bench_wrappers.py) against 22.7 through ``inductor_config.patch``, which builds a class
+    each time. Like a patch, the flag is the calling thread's (a context variable)."""
     from torch._inductor import config as inductor_config  # imports dynamo: not before the cache dir is set
 
     def forward(*args: Any, **kwargs: Any) -> Any:
