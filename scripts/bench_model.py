@@ -21,8 +21,8 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     handlers.hardware.int8_weights), pt2e-static-int8-measured-cpp-full-weights (full-range weights on any CPU),
     compile-dynamic-{fp32,bf16}-frozen-small32 (shapes.small_batch_tokens: 32, handlers.small_batches: batches of at
     most 32 tokens through a second graph whose matmuls inductor autotuned at the first shape timed, template against
-    library; time it with --batch-sizes 1 ... first), pt2e-static-int8-measured-cpp-small32 (the int8 rung so),
-    compile-dynamic-fp32-frozen[-small32]-cpp (with the C++ wrapper),
+    library; time it with --batch-sizes 1 ... first), pt2e-static-int8[-bf16]-measured-cpp-small32 (the int8 rung so),
+    compile-dynamic-{fp32,bf16}-frozen[-small32]-cpp (with the C++ wrapper),
     compile-dynamic-{fp32,bf16}-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those with attention as SDPA, where
     every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
@@ -140,10 +140,15 @@ VARIANTS = (
     Variant("compile-dynamic-fp32-frozen-cpp", "compile", "float32", dynamic=True, freezing=True, cpp_wrapper=True),
     Variant("compile-dynamic-fp32-frozen-small32-cpp", "compile", "float32", dynamic=True, freezing=True,
             small_batch_tokens=32, cpp_wrapper=True),
+    Variant("compile-dynamic-bf16-frozen-cpp", "compile", "bfloat16", dynamic=True, freezing=True, cpp_wrapper=True),
+    Variant("compile-dynamic-bf16-frozen-small32-cpp", "compile", "bfloat16", dynamic=True, freezing=True,
+            small_batch_tokens=32, cpp_wrapper=True),
     Variant("pt2e-static-int8-measured-cpp-autotune", "pt2e", "int8", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, max_autotune=True),
     # the int8 rung's form with shapes.small_batch_tokens: 32 (its small graph's int8 matmuls autotuned at 1 x 16)
     Variant("pt2e-static-int8-measured-cpp-small32", "pt2e", "int8", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, small_batch_tokens=32),
+    Variant("pt2e-static-int8-bf16-measured-cpp-small32", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, small_batch_tokens=32),
     Variant("onnxruntime-fp32", "onnxruntime", "float32"),
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
