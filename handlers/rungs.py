@@ -103,8 +103,12 @@ class CompileRung(Rung):
         return compiled
 
     def _small_batch_graph(self, module: torch.nn.Module, dtype: DType) -> bool:
-        # The C++ GEMM template runs on CPUs, on constant (frozen) weights.
-        return bool(self.spec.small_batch_tokens) and self._freezes(dtype) and _device_of(module).type == "cpu"
+        # The C++ GEMM template runs on CPUs, on constant (frozen) weights. int8 keeps one graph: autotuned, its small
+        # graph took inductor's AVX-512 VNNI int8 template, and MiniLM's answers came out wrong (min cosine ~0 against
+        # fp32 eager; torch 2.13, an AVX-512 VNNI EPYC; one int8 linear alone was right), so the gate refused int8
+        # altogether and the archive served bf16 (docs/performance.md: Small batches on an AVX-512 EPYC).
+        return (bool(self.spec.small_batch_tokens) and dtype is not DType.INT8 and self._freezes(dtype)
+                and _device_of(module).type == "cpu" and small_batches.unsupported_reason() is None)
 
     def keeps_kernels_per_shape(self, dtype: DType) -> bool:
         # Frozen, inductor prepacks float32 weights for oneDNN too wherever the rows are symbolic (its mkldnn_fusion
@@ -117,9 +121,12 @@ class CompileRung(Rung):
 
     def notes(self, device: torch.device) -> list[str]:
         """What the requested compile does not do here, said rather than pretended."""
+        notes = []
         if self.spec.enabled and self.spec.uses_cuda_graphs and device.type != "cuda":
-            return [f"mode {self.spec.mode}: no CUDA graphs on {device.type}; inductor compiles without them"]
-        return []
+            notes.append(f"mode {self.spec.mode}: no CUDA graphs on {device.type}; inductor compiles without them")
+        if self.spec.enabled and self.spec.small_batch_tokens and device.type == "cpu":
+            notes.extend(filter(None, [small_batches.unsupported_reason()]))
+        return notes
 
     def warmup_context(self, batches: int) -> contextlib.AbstractContextManager:
         from torch._inductor import config as inductor_config  # imports dynamo: not before the cache dir is set

@@ -19,6 +19,19 @@ import torch
 
 Forward = Callable[..., Any]
 
+# Checked with torch 2.13. torch 2.8 (the ipex profile) keeps both graphs in one cache of the model's forward, guards
+# each copy's frozen weights by identity, and can bring the small graph back from the graph cache specialized to one
+# row: a later small batch of another size matches neither and is served eagerly (docs/shapes.md: Small batches).
+FIRST_TORCH = (2, 13)
+
+
+def unsupported_reason() -> str | None:
+    """Why this torch keeps one graph (None: a small batches' graph works here)."""
+    if torch.torch_version.TorchVersion(torch.__version__) >= FIRST_TORCH:
+        return None
+    return (f"shapes.small_batch_tokens: one graph under torch {torch.__version__} (a second graph for small batches "
+            f"needs torch >= {'.'.join(map(str, FIRST_TORCH))}: docs/shapes.md)")
+
 
 def tokens_of(batch: dict[str, Any]) -> int:
     """Rows x length of the batch's first tensor (``input_ids``: rows x padded tokens); rows of a 1-d one."""

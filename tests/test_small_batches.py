@@ -10,7 +10,7 @@ import torch
 from handlers.config import CompileSpec, ConfigError, DType, load_config
 from handlers.dynamo_watch import dynamo_counts
 from handlers.rungs import CompileRung
-from handlers.small_batches import SmallBatchForward, tokens_of
+from handlers.small_batches import SmallBatchForward, tokens_of, unsupported_reason
 
 SMALL = 32
 
@@ -101,3 +101,22 @@ def test_both_graphs_are_traced_in_the_warmup_and_serve_every_later_size_without
     assert dynamo_counts().graphs == graphs
     assert (forward.small_batches, forward.large_batches) == (4, 6)
     torch._dynamo.reset()
+
+
+def test_a_torch_without_working_small_graphs_keeps_one_graph_and_describe_says_why():
+    """Both profiles: torch 2.13 (default) builds the second graph; torch 2.8 (ipex) keeps one and notes why, since
+    its small graph could come back from the graph cache fitted to one row and serve later sizes eagerly."""
+    spec = CompileSpec(enabled=True, backend="inductor", dynamic=True, freezing=True, one_graph=True,
+                       small_batch_tokens=SMALL)
+    rung = CompileRung("compile", spec)
+    works = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+    assert (unsupported_reason() is None) == works
+    notes = rung.notes(torch.device("cpu"))
+    assert notes == ([] if works else [unsupported_reason()])
+    if not works:
+        assert notes[0].startswith(f"shapes.small_batch_tokens: one graph under torch {torch.__version__}")
+    assert isinstance(rung.apply(TinyEncoder().eval(), DType.FLOAT32), SmallBatchForward) == works  # nothing traced yet
+    # int8 keeps one graph on every torch: the small graph's int8 template answered wrong (handlers.rungs)
+    assert not isinstance(rung.apply(TinyEncoder().eval(), DType.INT8), SmallBatchForward)
+    plain = CompileRung("compile", CompileSpec(enabled=True, dynamic=True, freezing=True))
+    assert plain.notes(torch.device("cpu")) == []  # without the setting, nothing to say
