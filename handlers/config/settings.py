@@ -53,7 +53,8 @@ class ShapesSection(Section):
     run a second graph of each compile rung, traced at the smallest warmup shape, whose matmuls inductor picks at
     that size between its C++ GEMM template and oneDNN/MKL (`max_autotune`); larger batches run the first graph,
     as without it. MiniLM fp32 on an AVX2-only CPU: a forward of one text of 16 tokens 28 % faster, of 32 tokens
-    21 %; the template is slower from 128 rows of tokens up (docs/shapes.md: small batches). Costs a second
+    21 %; the template is slower from 128 rows of tokens up; bf16 on an AVX-512 CPU without AMX gains nothing
+    (docs/shapes.md: small batches). int8 rungs, and every rung under torch < 2.13, keep one graph. Costs a second
     compile at load and a second copy of the frozen weights. Left out: one graph for every batch."""
 
     @field_validator("policy")
