@@ -124,8 +124,9 @@ class CompileRung(Rung):
         notes = []
         if self.spec.enabled and self.spec.uses_cuda_graphs and device.type != "cuda":
             notes.append(f"mode {self.spec.mode}: no CUDA graphs on {device.type}; inductor compiles without them")
-        if self.spec.enabled and self.spec.small_batch_tokens and device.type == "cpu":
-            notes.extend(filter(None, [small_batches.unsupported_reason()]))
+        kept_one_graph = small_batches.unsupported_reason()
+        if self.spec.enabled and self.spec.small_batch_tokens and device.type == "cpu" and kept_one_graph:
+            notes.append(kept_one_graph)
         return notes
 
     def warmup_context(self, batches: int) -> contextlib.AbstractContextManager:
