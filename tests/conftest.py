@@ -46,11 +46,11 @@ def declared_profile() -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
-    gpu needs CUDA; ipex needs the ipex profile; ipex_mismatch needs the default profile and the IPEX wheel
-    unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv; default_profile runs in the default
-    profile only; torchao needs torchao, which the default profile installs and the ipex profile (torch 2.8) has not.
-    scripts/test.sh provides them all, says which profile each stage is (PT2_PROFILE) and runs both,
-    so only gpu stays unrun on a CPU machine."""
+    gpu needs CUDA; fused_kernel needs an AVX-512 CPU; ipex needs the ipex profile; ipex_mismatch needs the default
+    profile and the IPEX wheel unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv;
+    default_profile runs in the default profile only; torchao needs torchao, which the default profile installs and
+    the ipex profile (torch 2.8) has not. scripts/test.sh provides all but the first two, says which profile each stage
+    is (PT2_PROFILE) and runs both, so only gpu, and fused_kernel on an AVX2-only CPU, stay unrun."""
     for marker, reason in unavailable_reasons(declared_profile()).items():
         chosen = [item for item in items if item.get_closest_marker(marker)]
         if reason is None or not chosen:
@@ -74,7 +74,20 @@ def unavailable_reasons(profile: str | None) -> dict[str, str | None]:
     qa_reference = None if os.environ.get(QA_REFERENCE_ENV) else (
         f"set {QA_REFERENCE_ENV} to transformers 4.57.1 (scripts/test.sh does: setup.sh --qa-reference)")
     return {"gpu": gpu, "ipex": ipex, "ipex_mismatch": mismatch, "qa_reference": qa_reference,
-            "default_profile": default_only, "torchao": torchao_reason(profile)}
+            "default_profile": default_only, "torchao": torchao_reason(profile), "fused_kernel": fused_kernel_reason()}
+
+
+def fused_kernel_reason() -> str | None:
+    """Why the fused attention kernel cannot be built and run here: it is AVX-512 code built with the machine's C++
+    compiler (handlers/fused_attention.py), so an AVX2-only CPU runs only the tests that it is left out there."""
+    import torch
+
+    from handlers import fused_attention, hardware
+
+    missing = [flag for flag in fused_attention.NEEDED_CPU_FLAGS if flag not in hardware.linux_cpu_flags()]
+    if missing:
+        return f"the CPU lacks {'/'.join(missing)} (an AVX-512 machine runs them)"
+    return hardware.cpp_compiler_problem(torch.device("cpu"))
 
 
 def torchao_reason(profile: str | None) -> str | None:

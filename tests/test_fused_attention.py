@@ -1,7 +1,7 @@
 """The fused attention kernel (handlers/fused_attention.cpp) against PyTorch's SDPA, and when a model uses it.
 
-The kernel is AVX-512 code built with the machine's compiler: on a CPU without AVX-512 the kernel tests are skipped
-(and said so), and the choice tests check that the model is left on SDPA with the reason."""
+The kernel is AVX-512 code built with the machine's compiler: on a CPU without AVX-512 the kernel tests are deselected
+(tests/conftest.py: fused_kernel, with the reason), and the choice tests check that models are left on SDPA and why."""
 
 from __future__ import annotations
 
@@ -13,14 +13,7 @@ from handlers import fused_attention, hardware
 
 F = torch.nn.functional
 
-
-def kernel_unavailable() -> str | None:
-    flags = hardware.linux_cpu_flags()
-    missing = [flag for flag in fused_attention.NEEDED_CPU_FLAGS if flag not in flags]
-    return f"the CPU lacks {'/'.join(missing)}" if missing else hardware.cpp_compiler_problem(torch.device("cpu"))
-
-
-needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=str(kernel_unavailable()))
+needs_kernel = pytest.mark.fused_kernel
 
 
 @pytest.fixture(scope="module")

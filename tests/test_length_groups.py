@@ -100,12 +100,16 @@ def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
 
     batches = [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16), (4, 64)]]
     int8, fp32 = (kept_key(batches, ("compile", dtype), "weights") for dtype in ("int8", "float32"))
-    first = measure(forward, batches, calls=1, kept=kept, key=int8)
-    assert first is not None and len(calls) == 4 and len(list(tmp_path.glob("*.json"))) == 1
+    # The fastest of 3 calls per shape, as the ladder times: one call of a sleep could overshoot past the fit's bound
+    # on a busy VM (it did once, in the ipex stage on an AVX2-only EPYC), and then no model is kept.
+    # (A try the machine disturbed is run again: at least 3 calls per shape.)
+    first = measure(forward, batches, calls=3, kept=kept, key=int8)
+    timed = len(calls)
+    assert first is not None and timed >= 12 and len(list(tmp_path.glob("*.json"))) == 1
     assert measure(forward, batches, kept=kept, key=int8) == first
-    assert len(calls) == 4  # read, not timed
-    measure(forward, batches, calls=1, kept=kept, key=fp32)
-    assert len(calls) == 8 and len(list(tmp_path.glob("*.json"))) == 2
+    assert len(calls) == timed  # read, not timed
+    assert measure(forward, batches, calls=3, kept=kept, key=fp32) is not None
+    assert len(calls) >= timed + 12 and len(list(tmp_path.glob("*.json"))) == 2
 
 
 def test_a_worker_without_a_model_looks_again_while_it_serves_for_one_a_sibling_kept(tmp_path):
