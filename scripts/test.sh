@@ -3,7 +3,8 @@
 #   0. ruff, and the docs site built with warnings as errors (mkdocs build --strict)
 #   1. default (.venv: torch 2.13 CPU): unit + real TorchServe tests (the docs' examples among them), and the IPEX 2.8
 #      wheel beside torch 2.13
-#   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the suite but the default_profile tests, plus the IPEX rung for real
+#   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8, its venv built in the background during stage 1): the suite but the
+#      default_profile tests, plus the IPEX rung for real
 # Each archive is built once and served in both. Arguments go to both pytest runs.
 # PT2_PROFILES=default runs stage 1 only (a quick local loop); CI runs both. On an AVX-512 CPU stage 1 ends with the
 # precision tests as an AVX2-only CPU runs them (below).
