@@ -79,7 +79,7 @@ def unavailable_reasons(profile: str | None) -> dict[str, str | None]:
 
 def fused_kernel_reason() -> str | None:
     """Why the fused attention kernel cannot be built and run here: it is AVX-512 code built with the machine's C++
-    compiler (handlers/fused_attention.py), so an AVX2-only CPU runs only the tests that it is left out there."""
+    compiler (handlers/fused_attention.py), so an AVX2-only CPU runs only the tests that check it is left out."""
     import torch
 
     from handlers import fused_attention, hardware
