@@ -103,12 +103,20 @@ def unavailable_here() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.upper() in hardware.ATEN_VECTOR_ISAS_BELOW_AVX512:
         return f"torch dispatches at {capability} here, the kernel needs AVX-512: SDPA"
-    missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in hardware.linux_cpu_flags()]
-    if missing:
-        return f"the CPU lacks {'/'.join(missing)}: SDPA"
-    if problem := hardware.cpp_compiler_problem(torch.device("cpu")):
+    if problem := machine_cannot_build():
         return f"{problem}: SDPA"
     return None
+
+
+def machine_cannot_build() -> str | None:
+    """Why this machine cannot build and run the kernel whatever torch dispatches at: AVX-512 code, built with its C++
+    compiler. None where it can."""
+    from handlers import hardware
+
+    missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in hardware.linux_cpu_flags()]
+    if missing:
+        return f"the CPU lacks {'/'.join(missing)}"
+    return hardware.cpp_compiler_problem(torch.device("cpu"))
 
 
 def _why_not_loaded(build_dir: Path | None) -> str | None:

@@ -80,14 +80,10 @@ def unavailable_reasons(profile: str | None) -> dict[str, str | None]:
 def fused_kernel_reason() -> str | None:
     """Why the fused attention kernel cannot be built and run here: it is AVX-512 code built with the machine's C++
     compiler (handlers/fused_attention.py), so an AVX2-only CPU runs only the tests that check it is left out."""
-    import torch
+    from handlers import fused_attention
 
-    from handlers import fused_attention, hardware
-
-    missing = [flag for flag in fused_attention.NEEDED_CPU_FLAGS if flag not in hardware.linux_cpu_flags()]
-    if missing:
-        return f"the CPU lacks {'/'.join(missing)} (an AVX-512 machine runs them)"
-    return hardware.cpp_compiler_problem(torch.device("cpu"))
+    problem = fused_attention.machine_cannot_build()
+    return None if problem is None else f"{problem} (an AVX-512 machine with a C++ compiler runs them)"
 
 
 def torchao_reason(profile: str | None) -> str | None:
