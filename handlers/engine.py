@@ -72,6 +72,7 @@ class Engine:
         self.load_waited_s: float = 0.0  # of load_seconds: waiting for other workers on these cores to load
         self.load_waited_for: tuple[str, ...] = ()  # the models those workers loaded
         self.attempts: list[Attempt] = []
+        self.module_guards: str | None = None  # whether compiles guard the model's attributes (handlers.module_guards)
         self.int8_calibration: str | None = None  # int8 was tried: what it was calibrated on and judged on
         self.int8_weights: str | None = None  # int8 was tried: the range its weights took on this CPU, and why
         self.cache_use: dict[str, dict[str, int]] | None = None  # what the compile caches served at load
@@ -201,6 +202,7 @@ class Engine:
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
             for cache, use in self.cache_use.items()))
         self.attempts = result.attempts
+        self.module_guards = result.module_guards
         self.int8_calibration = result.calibration
         self.int8_weights = int8_weights.describe() if DType.INT8 in precisions else None
         self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
@@ -446,6 +448,7 @@ class Engine:
             "threads": self._describe_threads(),
             "torch": torch.__version__,
             "requested_compile": self.config.served_compile.describe() if self.config.compile.enabled else None,
+            "module_guards": self.module_guards,
             "notes": self.notes,
             "attention": self.attention.describe() if self.attention else None,
             "shapes": self.shapes.describe(),

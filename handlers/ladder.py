@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from handlers import plan, race, sensitivity
+from handlers import module_guards, plan, race, sensitivity
 from handlers.config import DType
 from handlers.memory import Memory, batch_tensors, fingerprint
 from handlers.quantize import Int8Weights, in_precision, split_outliers, static_int8, stays_float
@@ -138,6 +138,7 @@ class LadderResult:
     calibration: str | None = None  # int8 was tried: what it was calibrated on, what it was judged on
     weights_key: str | None = None  # the reference's weights hashed for the memory's keys, where the walk did
     threads: tuple[int, ...] | None = None  # the thread counts ``forward`` was proven at; None: it runs at any
+    module_guards: str = ""  # whether compile rungs guard the model's attributes, and why (handlers.module_guards)
 
 
 def run_ladder(
@@ -168,11 +169,14 @@ def run_ladder(
     ``memory`` and read back by the next load of the same model on the same batches, races on the same ``machine``
     (``handlers.hardware.machine``): workers of one model serve one precision, whatever load each started under.
     An accepted compiled forward is proven again at each of ``thread_counts`` it may be given later
-    (``handlers.core_share``): dynamo compiles per intra-op thread count."""
+    (``handlers.core_share``): dynamo compiles per intra-op thread count. Compile rungs leave out the guards on the
+    model's attributes where the reference forwards left them as they were (``handlers.module_guards``)."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
-        references = [_detached(run(reference, batch)) for batch in warmup_batches]
+        references, changed = module_guards.run_watching_state(
+            reference, warmup_batches, lambda module, batch: _detached(run(module, batch)))
+    rungs, guards_said = _module_guards(rungs, changed, len(warmup_batches))
     if DType.INT8 not in precisions:
         calibration = None
     elif calibration is None:
@@ -190,14 +194,28 @@ def run_ladder(
                                        "serving fp32 eager")
         ladder.attempts.append(Attempt(plan.EAGER, AttemptStatus.ACCEPTED, reason, 0.0, DType.FLOAT32.value))
         return LadderResult(plan.EAGER, reference, DType.FLOAT32, ladder.attempts, ladder.calibration_said,
-                            ladder.weights_key)
+                            ladder.weights_key, module_guards=guards_said)
     rung, dtype = ladder.rungs[step.rung], DType(step.precision)
     threads = None if rung.follows_threads() else (torch.get_num_threads(),)
     if isinstance(rung, CompileRung):
         threads = _at_thread_counts(rung, ladder.forwards[step], dtype, thread_counts, warmup_batches, references,
                                     gate(dtype), run)
     return LadderResult(step.rung, ladder.forwards[step], dtype, ladder.attempts, ladder.calibration_said,
-                        ladder.weights_key, threads)
+                        ladder.weights_key, threads, guards_said)
+
+
+def _module_guards(rungs: Sequence[Rung], changed: Sequence[str], forwards: int) -> tuple[list[Rung], str]:
+    """The rungs, their compiles without the guards on the model's attributes if none ``changed``; what describe
+    says about it."""
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        logger.info("compiles keep dynamo's guards on the model's attributes: its eager forwards changed %s", shown)
+        return list(rungs), f"kept: the model's eager forwards changed {shown}"
+    calls = max(forwards, 2)
+    logger.info("compiles leave out dynamo's guards on the model's attributes: %d eager forwards left them as they "
+                "were", calls)
+    return ([rung.without_module_guards() if isinstance(rung, CompileRung) else rung for rung in rungs],
+            f"left out: {calls} eager forwards of the model left its attributes as they were")
 
 
 def _at_thread_counts(rung: CompileRung, forward: Forward, dtype: DType, counts: Collection[int],

@@ -18,7 +18,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from handlers.config import CompileSpec, DType, HandlerConfig, RungName
-from handlers import global_state, prepacked_cache, small_batches
+from handlers import global_state, module_guards, prepacked_cache, small_batches
 from handlers.ipex import IPEX_BACKEND, probe_ipex
 
 Forward = Callable[..., Any]
@@ -64,10 +64,16 @@ class Rung(ABC):
 
 
 class CompileRung(Rung):
-    def __init__(self, name: str, spec: CompileSpec, skip_reason: str | None = None):
+    def __init__(self, name: str, spec: CompileSpec, skip_reason: str | None = None, module_guards: bool = True):
         self.name = name
         self.spec = spec
         self._skip_reason = skip_reason
+        # False: the model's attributes stay as they are between forwards, so the compile need not guard them
+        self.module_guards = module_guards
+
+    def without_module_guards(self) -> CompileRung:
+        """This rung, its compiles leaving out dynamo's guards on the model's attributes (handlers.module_guards)."""
+        return CompileRung(self.name, self.spec, self._skip_reason, module_guards=False)
 
     def unavailable_reason(self) -> str | None:
         if not self.spec.enabled:
@@ -93,9 +99,10 @@ class CompileRung(Rung):
         # Shared cores: kernels that follow the thread count, and one graph for every count (handlers.global_state).
         one_graph = (self.spec.threads_follow and self.spec.backend == "inductor"
                      and global_state.guard_can_be_left_out())
-        if one_graph:
-            kwargs["options"] = {**kwargs["options"], "guard_filter_fn": global_state.without_global_state_guard}
-        compiled = torch.compile(module, **kwargs)
+        filters = [global_state.without_global_state_guard] if one_graph else []
+        if not self.module_guards:
+            filters.append(module_guards.without_module_guards)
+        compiled = torch.compile(module, **_with_guard_filters(kwargs, filters))
         if one_graph:
             compiled = global_state.checked(compiled)
         if self._freezes(dtype):
@@ -156,6 +163,26 @@ class CompileRung(Rung):
 def _device_of(module: torch.nn.Module) -> torch.device:
     tensor = next(itertools.chain(module.parameters(), module.buffers()), None)  # int8 graphs may hold no parameters
     return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def _with_guard_filters(kwargs: dict[str, Any], filters: list[Callable[[Any], list[bool]]]) -> dict[str, Any]:
+    """``torch.compile``'s ``kwargs`` with a ``guard_filter_fn`` keeping the guards every one of ``filters`` keeps. It
+    goes in the options, which torch.compile takes instead of a mode: an inductor mode is spelled out as its options;
+    a custom backend's mode keeps every guard."""
+    if not filters:
+        return kwargs
+    if kwargs.get("mode") is not None:
+        if kwargs["backend"] != "inductor":
+            return kwargs
+        mode = kwargs.pop("mode")
+        kwargs["options"] = {**torch._inductor.list_mode_options(mode, kwargs.get("dynamic")),
+                             **(kwargs.get("options") or {})}
+
+    def keep(entries: Any) -> list[bool]:
+        return [all(kept) for kept in zip(*(chosen(entries) for chosen in filters), strict=True)]
+
+    kwargs["options"] = {**(kwargs.get("options") or {}), "guard_filter_fn": keep}
+    return kwargs
 
 
 def _freezing_while_traced(compiled: Forward) -> Forward:

@@ -23,6 +23,9 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     most 32 tokens through a second graph whose matmuls inductor autotuned at the first shape timed, template against
     library; time it with --batch-sizes 1 ... first), pt2e-static-int8[-bf16]-measured-cpp-small32 (the int8 rung so),
     compile-dynamic-{fp32,bf16}-frozen[-small32]-cpp (with the C++ wrapper),
+    compile-dynamic-{fp32,bf16}-frozen[-cpp]-all-guards, pt2e-static-int8[-bf16]-measured-cpp-all-guards (every
+    compiled variant leaves out dynamo's guards on the model's attributes, as the ladder does for MiniLM:
+    handlers.module_guards; these keep them),
     compile-dynamic-{fp32,bf16}-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those with attention as SDPA, where
     every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
@@ -79,6 +82,7 @@ class Variant:
     attention: str = "auto"  # compiled variants: pt2_handlers.attention (auto: the fused kernel where it applies)
     full_weights: bool = False  # pt2e: weights in [-128, 127] on any CPU (the rung: 7 bits without int8 dot products)
     small_batch_tokens: int = 0  # a second graph for batches of at most this many tokens (shapes.small_batch_tokens)
+    all_guards: bool = False  # compiled with dynamo's guards on the model's attributes, as before stop 53
 
 
 MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
@@ -143,6 +147,16 @@ VARIANTS = (
     Variant("compile-dynamic-bf16-frozen-cpp", "compile", "bfloat16", dynamic=True, freezing=True, cpp_wrapper=True),
     Variant("compile-dynamic-bf16-frozen-small32-cpp", "compile", "bfloat16", dynamic=True, freezing=True,
             small_batch_tokens=32, cpp_wrapper=True),
+    Variant("compile-dynamic-fp32-frozen-all-guards", "compile", "float32", dynamic=True, freezing=True,
+            all_guards=True),
+    Variant("compile-dynamic-fp32-frozen-cpp-all-guards", "compile", "float32", dynamic=True, freezing=True,
+            cpp_wrapper=True, all_guards=True),
+    Variant("compile-dynamic-bf16-frozen-all-guards", "compile", "bfloat16", dynamic=True, freezing=True,
+            all_guards=True),
+    Variant("pt2e-static-int8-measured-cpp-all-guards", "pt2e", "int8", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, all_guards=True),
+    Variant("pt2e-static-int8-bf16-measured-cpp-all-guards", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, all_guards=True),
     Variant("pt2e-static-int8-measured-cpp-autotune", "pt2e", "int8", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, max_autotune=True),
     # the int8 rung's form with shapes.small_batch_tokens: 32 (its small graph's int8 matmuls autotuned at 1 x 16)
@@ -258,7 +272,10 @@ def compile_as_rung(module: Any, variant: Variant) -> Any:
                                              ("max_autotune", variant.max_autotune)) if wanted}
     spec = CompileSpec(enabled=True, dynamic=variant.dynamic, freezing=variant.freezing, options=options or None,
                        small_batch_tokens=variant.small_batch_tokens)
-    return CompileRung("compile", spec).apply(module, DType.FLOAT32)
+    rung = CompileRung("compile", spec)
+    # The ladder leaves those guards out for MiniLM, whose forwards change none of its attributes
+    # (handlers.module_guards); -all-guards keeps them.
+    return (rung if variant.all_guards else rung.without_module_guards()).apply(module, DType.FLOAT32)
 
 
 def one_graph_runner(compiled: Any) -> Runner:

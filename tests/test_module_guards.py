@@ -1,0 +1,161 @@
+"""Compiles leave out dynamo's guards on the model's attributes only where the model's own forwards leave them as
+they were (handlers.module_guards): the ladder looks, describe says which and why, and two compiled copies of one
+class still run their own graphs."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from handlers import module_guards
+from handlers.config import CompileSpec, DType
+from handlers.dynamo_watch import dynamo_counts
+from handlers.ladder import run_ladder
+from handlers.rungs import CompileRung, EagerRung
+from handlers.tasks.embeddings import CosineGate
+
+GATE = CosineGate(0.9999)
+
+
+class Scaled(torch.nn.Module):
+    """A linear layer and a Python float its forward reads (a guard on the module's attribute)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(8, 8)
+        self.scale = 2.0
+        self.config = SimpleNamespace(flag=True, sizes=[8, 8])
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+class Counting(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+class SetsUpOnce(Scaled):
+    """Keeps a table made at its first call, as rotary embeddings or a warned-once flag do."""
+
+    def forward(self, x):
+        if not hasattr(self, "table"):
+            self.table = torch.ones(8)
+        return super().forward(x) + 0 * self.table
+
+
+def batches(count=2):
+    generator = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(rows, 8, generator=generator)} for rows in range(2, 2 + count)]
+
+
+def run(module, batch):
+    return module(**batch)
+
+
+def test_the_state_is_the_same_after_forwards_that_change_nothing_and_what_set_up_once():
+    for model in (Scaled(), SetsUpOnce()):
+        with torch.inference_mode():
+            results, changed = module_guards.run_watching_state(model, batches(3), run)
+        assert changed == [] and len(results) == 3
+
+
+def test_what_a_forward_changes_is_named_down_to_a_config_attribute():
+    model = Counting()
+    with torch.inference_mode():
+        _, changed = module_guards.run_watching_state(model, batches(), run)
+    assert changed == ["calls"]
+    before = module_guards.state_of(model)
+    model.config.flag = False
+    model.config.sizes.append(16)
+    model.linear.weight = torch.nn.Parameter(model.linear.weight.detach().clone())
+    changed = module_guards.changes(before, module_guards.state_of(model))
+    assert {"config.flag", "config.sizes", "config.sizes[2]"} <= set(changed), changed
+    assert any(path.startswith("linear._parameters") for path in changed), changed
+
+
+def test_one_batch_is_run_twice_so_a_counter_still_shows():
+    model = Counting()
+    with torch.inference_mode():
+        results, changed = module_guards.run_watching_state(model, batches(1), run)
+    assert len(results) == 1 and model.calls == 2 and changed == ["calls"]
+
+
+def test_the_ladder_leaves_the_guards_out_for_a_model_that_keeps_its_attributes_and_says_so():
+    torch._dynamo.reset()
+    model = Scaled().eval()
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
+                        lambda dtype: GATE)
+    assert result.active == "compile"
+    assert result.module_guards == "left out: 2 eager forwards of the model left its attributes as they were"
+    # Left out for real: an attribute changed afterwards (which the model's own forwards never did) compiles
+    # nothing new. That is the trade: the ladder looks first.
+    x = batches()[0]["x"]
+    before = dynamo_counts().graphs
+    model.scale = 3.0
+    with torch.inference_mode():
+        result.forward(x=x)
+    assert dynamo_counts().graphs == before
+
+
+def test_a_model_whose_forward_changes_an_attribute_keeps_every_guard_and_describe_names_it():
+    torch._dynamo.reset()
+    model = Counting().eval()
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
+                        lambda dtype: GATE)
+    assert result.module_guards == "kept: the model's eager forwards changed calls"
+    # Guarded: the counter in the graph is checked, so the compile rung is refused as recompiling every call
+    # (tests/test_ladder.py::test_an_encoder_that_recompiles_every_call_is_not_accepted_as_compiled).
+    assert result.active == "eager"
+
+
+@pytest.mark.parametrize("freezing", [True, False])
+def test_two_compiled_copies_of_one_class_run_their_own_graphs_without_the_guards(freezing):
+    """Frozen, each copy's weights are constants of its graph: the other copy's weights by identity. Not frozen,
+    they are the graph's inputs: a copy in another precision needs a graph of its own."""
+    torch._dynamo.reset()
+    spec = CompileSpec(enabled=True, backend="inductor", dynamic=False, freezing=freezing)
+    first = Scaled(seed=0).eval()
+    second = copy.deepcopy(first)
+    with torch.no_grad():
+        second.linear.weight.add_(1.0)
+    if not freezing:
+        second = second.to(torch.bfloat16)
+    x = batches()[0]["x"]
+    for model in (first, second):
+        dtype = DType.FLOAT32 if model is first or freezing else DType.BFLOAT16
+        forward = CompileRung("compile", spec).without_module_guards().apply(model, dtype)
+        with torch.inference_mode():
+            expected = model(x.to(model.linear.weight.dtype))
+            assert torch.allclose(forward(x=x.to(expected.dtype)), expected, atol=1e-6)
+
+
+def entry(guard_type, name, on_module=True):
+    source = SimpleNamespace(is_unspecialized_nn_module=lambda: on_module)
+    return SimpleNamespace(guard_type=guard_type, name=name, orig_guard=SimpleNamespace(source=source))
+
+
+@pytest.mark.parametrize("anchors, kept", [
+    ((entry("TYPE_MATCH", "self"), entry("ID_MATCH", "self._modules['linear']._parameters['weight']")),
+     [True, True, True, False, False]),  # frozen: the weight by identity
+    ((entry("TYPE_MATCH", "self"), entry("TENSOR_MATCH", "self._modules['linear']._parameters['weight']"),
+      entry("TENSOR_MATCH", "self._modules['linear']._parameters['bias']")),
+     [True, True, True, False, False, False]),  # the weights are inputs: the first by dtype and shape
+    ((entry("TYPE_MATCH", "self"),), [True] * 4),  # no weight to tell copies apart: everything
+    ((entry("ID_MATCH", "self._parameters['w']"),), [True] * 4),  # no type of its own (a compiled function)
+])
+def test_the_filter_keeps_the_inputs_the_type_and_the_first_weight_or_everything(anchors, kept):
+    entries = [entry("TENSOR_MATCH", "x", on_module=False), *anchors,
+               entry("CONSTANT_MATCH", "self.scale"), entry("TYPE_MATCH", "self._modules")]
+    assert module_guards.without_module_guards(entries) == kept
