@@ -19,7 +19,7 @@ import torch
 
 from handlers import calibration, compile_cache, fused_attention, hardware, length_groups, memory, open_inference
 from handlers.compile_cache import CacheDir
-from handlers.config import Attention, DType, HandlerConfig
+from handlers.config import Attention, DType, HandlerConfig, ModuleGuards
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady, native_panic
 from handlers.guard import GuardedForward
 from handlers.ladder import Attempt, AttemptStatus, Calibration, LadderResult, run_ladder, summarize
@@ -196,7 +196,8 @@ class Engine:
                             half_must_pay=_picked_by_auto(precisions, settings.dtype),
                             memory=memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None,
                             machine=hardware.machine(self.device, self.threads.value),
-                            thread_counts=self._thread_counts(), int8_weights=int8_weights)
+                            thread_counts=self._thread_counts(), int8_weights=int8_weights,
+                            module_guards_optional=settings.module_guards is ModuleGuards.AUTO)
         self.cache_use = compile_cache.use_since(cache_before)
         logger.info("compile cache %s: %s", self.cache.path, ", ".join(
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"

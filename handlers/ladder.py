@@ -154,6 +154,7 @@ def run_ladder(
     machine: str = "",
     thread_counts: Collection[int] = (),
     int8_weights: Int8Weights = Int8Weights.FULL,
+    module_guards_optional: bool = True,
 ) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
@@ -169,14 +170,15 @@ def run_ladder(
     ``memory`` and read back by the next load of the same model on the same batches, races on the same ``machine``
     (``handlers.hardware.machine``): workers of one model serve one precision, whatever load each started under.
     An accepted compiled forward is proven again at each of ``thread_counts`` it may be given later
-    (``handlers.core_share``): dynamo compiles per intra-op thread count. Compile rungs leave out the guards on the
-    model's attributes where the reference forwards left them as they were (``handlers.module_guards``)."""
+    (``handlers.core_share``): dynamo compiles per intra-op thread count. Unless ``module_guards_optional`` is False,
+    compile rungs leave out the guards on the model's attributes where the reference forwards left them as they
+    were (``handlers.module_guards``)."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
         references, changed = module_guards.run_watching_state(
             reference, warmup_batches, lambda module, batch: _detached(run(module, batch)))
-    rungs, guards_said = _module_guards(rungs, changed, len(warmup_batches))
+    rungs, guards_said = _module_guards(rungs, changed, len(warmup_batches), module_guards_optional)
     if DType.INT8 not in precisions:
         calibration = None
     elif calibration is None:
@@ -204,9 +206,12 @@ def run_ladder(
                         ladder.weights_key, threads, guards_said)
 
 
-def _module_guards(rungs: Sequence[Rung], changed: Sequence[str], forwards: int) -> tuple[list[Rung], str]:
-    """The rungs, their compiles without the guards on the model's attributes if none ``changed``; what describe
-    says about it."""
+def _module_guards(rungs: Sequence[Rung], changed: Sequence[str], forwards: int, optional: bool,
+                   ) -> tuple[list[Rung], str]:
+    """The rungs, their compiles without the guards on the model's attributes if they are ``optional`` and none
+    ``changed``; what describe says about it."""
+    if not optional:
+        return list(rungs), "kept: pt2_handlers.module_guards is keep"
     if changed:
         shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         logger.info("compiles keep dynamo's guards on the model's attributes: its eager forwards changed %s", shown)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from handlers import module_guards
-from handlers.config import CompileSpec, DType
+from handlers.config import CompileSpec, DType, ModuleGuards, load_config
 from handlers.dynamo_watch import dynamo_counts
+from handlers.errors import ConfigError
 from handlers.ladder import run_ladder
 from handlers.rungs import CompileRung, EagerRung
 from handlers.tasks.embeddings import CosineGate
@@ -159,3 +160,34 @@ def test_the_filter_keeps_the_inputs_the_type_and_the_first_weight_or_everything
     entries = [entry("TENSOR_MATCH", "x", on_module=False), *anchors,
                entry("CONSTANT_MATCH", "self.scale"), entry("TYPE_MATCH", "self._modules")]
     assert module_guards.without_module_guards(entries) == kept
+
+
+def test_module_guards_keep_keeps_every_guard_whatever_the_model_does():
+    config = load_config({"pt2_handlers": {"module_guards": "keep"}})
+    assert config.settings.module_guards is ModuleGuards.KEEP
+    assert load_config({}).settings.module_guards is ModuleGuards.AUTO
+    with pytest.raises(ConfigError, match="module_guards"):
+        load_config({"pt2_handlers": {"module_guards": "off"}})
+    torch._dynamo.reset()
+    model = Scaled().eval()
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
+                        lambda dtype: GATE, module_guards_optional=False)
+    assert (result.active, result.module_guards) == ("compile", "kept: pt2_handlers.module_guards is keep")
+    before = dynamo_counts().graphs
+    model.scale = 3.0
+    with torch.inference_mode():
+        assert torch.allclose(result.forward(x=batches()[0]["x"]), model(batches()[0]["x"]))
+    assert dynamo_counts().graphs == before + 1  # guarded: the change is seen and compiled
+
+
+def test_a_compile_with_a_mode_takes_the_filter_with_the_mode_spelled_as_options():
+    """torch.compile takes a mode or options, and the filter goes in the options: reduce-overhead (the default
+    archive's mode, CUDA graphs on a GPU) becomes its options, as freezing already spells it."""
+    torch._dynamo.reset()
+    spec = CompileSpec(enabled=True, backend="inductor", mode="reduce-overhead", dynamic=False)
+    model = Scaled().eval()
+    forward = CompileRung("compile", spec).without_module_guards().apply(model, DType.FLOAT32)
+    x = batches()[0]["x"]
+    with torch.inference_mode():
+        assert torch.allclose(forward(x=x), model(x), atol=1e-6)

@@ -23,12 +23,14 @@ from pydantic import ValidationError
 from handlers.config.problems import problems_of
 from handlers.config.schema import ModelYaml, validate_model_yaml
 from handlers.config.settings import SettingsSection, shape_policy
-from handlers.config.values import (Attention, CompileSpec, DType, HandlerConfig, HandlerSettings, RungName, TooLong,
+from handlers.config.values import (Attention, CompileSpec, DType, HandlerConfig, HandlerSettings, ModuleGuards,
+                                    RungName, TooLong,
                                     resolve_backend)
 from handlers.errors import ConfigError
 from handlers.task_catalog import TASK_FACTS
 
-__all__ = ["Attention", "CompileSpec", "DType", "HandlerConfig", "HandlerSettings", "RungName", "TooLong",
+__all__ = ["Attention", "CompileSpec", "DType", "HandlerConfig", "HandlerSettings", "ModuleGuards", "RungName",
+           "TooLong",
            "load_config", "load_config_file", "resolve_backend"]
 
 
@@ -74,7 +76,7 @@ def _settings(section: SettingsSection, compile_dynamic: bool | None) -> Handler
         dtype=section.dtype, int8_calibration=section.int8_calibration, ladder=section.ladder,
         shapes=shape_policy(section.shapes, TASK_FACTS[section.task].default_shapes, compile_dynamic),
         quality_gate=section.quality_gate, freezing=section.freezing, attention=section.attention,
-        threads=section.threads,
+        module_guards=section.module_guards, threads=section.threads,
         compile_cache=section.compile_cache, max_runtime_failures=section.max_runtime_failures,
         max_inputs_per_request=section.max_inputs_per_request, batch_metrics_every_s=section.batch_metrics_every_s,
     )

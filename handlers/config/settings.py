@@ -13,7 +13,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictBool, 
 
 from handlers.config.fields import (PositiveInt, PositiveInts, Seconds, Section, choose, did_you_mean, one_of, problem,
                                     problems, shown)
-from handlers.config.values import Attention, DType, HandlerSettings, RungName, TooLong
+from handlers.config.values import Attention, DType, HandlerSettings, ModuleGuards, RungName, TooLong
 from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
 from handlers.task_catalog import TASK_FACTS, TASK_NAMES
 
@@ -312,6 +312,13 @@ class SettingsSection(Section):
     archive: 5-25 % more requests per second at 16 clients). Elsewhere, and where it does not build: SDPA. Each
     rung that uses it passes the quality gate against fp32 eager, which runs SDPA. `sdpa`: SDPA everywhere, as the
     model comes."""
+    module_guards: one_of(ModuleGuards) = DEFAULTS.module_guards
+    """Dynamo's guards on the model's attributes (each layer norm's `eps`, each module's type and hooks), checked by
+    every compiled forward. `auto`: left out where the model's attributes, and its config's, are the same after the
+    last of the ladder's fp32 reference forwards as after the first (a forward that changes any, such as a call
+    counter, keeps them all); describe's `optimization.module_guards` says which and why. MiniLM on an AVX2-only
+    CPU: 0.5-0.8 ms off a forward of one short text. Code of your own that changes the served model's attributes
+    between requests would go unseen by its compiled graph: `keep` keeps every guard."""
     threads: Threads = Field(DEFAULTS.threads, json_schema_extra={"default": "auto"})
     """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it (fixed); else the workers on the
     usable cores (CPU affinity, capped by the container's CPU limit) share them forward by forward: a forward runs on

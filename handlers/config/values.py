@@ -47,6 +47,13 @@ class TooLong(str, enum.Enum):
     TRUNCATE = "truncate"  # the first max_length tokens are read, the rest ignored
 
 
+class ModuleGuards(str, enum.Enum):
+    """Whether compiled forwards check dynamo's guards on the model's attributes (handlers.module_guards)."""
+
+    AUTO = "auto"  # left out where the model's own eager forwards leave its attributes as they were
+    KEEP = "keep"  # every guard, always
+
+
 class Attention(str, enum.Enum):
     """Which attention the graphs torch.compile traces run (eager forwards always run transformers' SDPA)."""
 
@@ -147,6 +154,7 @@ class HandlerSettings:
     quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     freezing: bool = False  # faster forwards, slower warm restarts: the model YAML chooses
     attention: Attention = Attention.AUTO
+    module_guards: ModuleGuards = ModuleGuards.AUTO
     threads: int | None = None  # None: the cores shared among minWorkers workers
     compile_cache: str | None = None  # None: TORCHINDUCTOR_CACHE_DIR, else torch's default
     max_runtime_failures: int = 3
