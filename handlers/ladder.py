@@ -178,7 +178,7 @@ def run_ladder(
     with torch.inference_mode():
         references, changed = module_guards.run_watching_state(
             reference, warmup_batches, lambda module, batch: _detached(run(module, batch)))
-    rungs, guards_said = _module_guards(rungs, changed, len(warmup_batches), module_guards_optional)
+    rungs, guards_kept = _module_guards(rungs, changed, module_guards_optional)
     if DType.INT8 not in precisions:
         calibration = None
     elif calibration is None:
@@ -196,31 +196,43 @@ def run_ladder(
                                        "serving fp32 eager")
         ladder.attempts.append(Attempt(plan.EAGER, AttemptStatus.ACCEPTED, reason, 0.0, DType.FLOAT32.value))
         return LadderResult(plan.EAGER, reference, DType.FLOAT32, ladder.attempts, ladder.calibration_said,
-                            ladder.weights_key, module_guards=guards_said)
+                            ladder.weights_key, module_guards=guards_kept or "not compiled: eager serves")
     rung, dtype = ladder.rungs[step.rung], DType(step.precision)
     threads = None if rung.follows_threads() else (torch.get_num_threads(),)
     if isinstance(rung, CompileRung):
         threads = _at_thread_counts(rung, ladder.forwards[step], dtype, thread_counts, warmup_batches, references,
                                     gate(dtype), run)
     return LadderResult(step.rung, ladder.forwards[step], dtype, ladder.attempts, ladder.calibration_said,
-                        ladder.weights_key, threads, guards_said)
+                        ladder.weights_key, threads, _module_guards_said(rung, dtype, guards_kept, len(warmup_batches)))
 
 
-def _module_guards(rungs: Sequence[Rung], changed: Sequence[str], forwards: int, optional: bool,
-                   ) -> tuple[list[Rung], str]:
+def _module_guards(rungs: Sequence[Rung], changed: Sequence[str], optional: bool) -> tuple[list[Rung], str | None]:
     """The rungs, their compiles without the guards on the model's attributes if they are ``optional`` and none
-    ``changed``; what describe says about it."""
+    ``changed``; else the rungs as they were and why, for describe."""
     if not optional:
         return list(rungs), "kept: pt2_handlers.module_guards is keep"
     if changed:
         shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         logger.info("compiles keep dynamo's guards on the model's attributes: its eager forwards changed %s", shown)
         return list(rungs), f"kept: the model's eager forwards changed {shown}"
-    calls = max(forwards, 2)
-    logger.info("compiles leave out dynamo's guards on the model's attributes: %d eager forwards left them as they "
-                "were", calls)
-    return ([rung.without_module_guards() if isinstance(rung, CompileRung) else rung for rung in rungs],
-            f"left out: {calls} eager forwards of the model left its attributes as they were")
+    return [rung.without_module_guards() if isinstance(rung, CompileRung) else rung for rung in rungs], None
+
+
+def _module_guards_said(rung: Rung, dtype: DType, kept: str | None, forwards: int) -> str:
+    """What describe says about the served forward's guards on the model's attributes."""
+    if kept is not None:
+        return kept
+    if not isinstance(rung, CompileRung):
+        return f"not compiled: {rung.name} serves"
+    left_out = rung.module_guard_filter(dtype)
+    if left_out is None:
+        return "kept: the compile does not freeze the weights (graph inputs, guarded by dtype and shape only)"
+    if not left_out.left_out:
+        return "kept: no graph reads a weight it guards by identity"
+    whole = f"; {left_out.kept} kept whole (no weight guarded by identity)" if left_out.kept else ""
+    logger.info("compiled without dynamo's guards on the model's attributes: %d graph(s)%s", left_out.left_out, whole)
+    return (f"left out: {max(forwards, 2)} eager forwards of the model left its attributes as they were "
+            f"({left_out.left_out} graph(s) without them{whole})")
 
 
 def _at_thread_counts(rung: CompileRung, forward: Forward, dtype: DType, counts: Collection[int],

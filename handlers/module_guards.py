@@ -10,8 +10,10 @@ kept it is compiled with ``guard_filter_fn=without_module_guards``; one that cha
 and describe names what changed. Guards on the inputs, on torch's global state and on globals all stay.
 
 Two compiled copies of one class (a small batches' graph, int8 and its rival) share the frame's cache, and only
-guards on the module tell their graphs apart: a frozen copy would run the other's weights. So the root module's
-type and its first weight stay guarded; a compile without both keeps every guard.
+guards on the module tell their graphs apart: a frozen copy would run the other's weights, a model of another
+structure would run a graph that is not its own. So the root module's type and the identity of its first weight
+stay guarded; a compile without both (its weights are graph inputs, guarded by dtype and shape only, where inductor
+does not freeze them) keeps every guard.
 Pure torch; no TorchServe import.
 """
 
@@ -81,18 +83,36 @@ def run_watching_state(module: torch.nn.Module, batches: Sequence[Any], run: Cal
     return results, changes(after_first, state_of(module))
 
 
+class GuardFilter:
+    """``without_module_guards`` as a ``guard_filter_fn`` that counts the compiled graphs it left the module guards
+    out of and those it kept every guard of (describe)."""
+
+    def __init__(self) -> None:
+        self.left_out = 0
+        self.kept = 0
+
+    def __call__(self, entries: Sequence[Any]) -> list[bool]:
+        keep = without_module_guards(entries)
+        if all(keep):
+            self.kept += 1
+        else:
+            self.left_out += 1
+        return keep
+
+
 def without_module_guards(entries: Sequence[Any]) -> list[bool]:
     """A ``guard_filter_fn``: every guard but those on the compiled module's attributes, except those that tell two
-    compiled copies of one class apart: ``self``'s type, and the first weight it reads (by identity where the graph
-    froze it, else by dtype and shape: each copy's own weights are then the graph's inputs). Every guard where either
-    is missing (a compiled function, weights that are no parameters)."""
+    compiled copies of one class apart: ``self``'s type, and the identity of the first weight it reads (each copy
+    has its own; when a weight is freed, dynamo drops every graph that guarded it by identity, so a later model
+    whose weight comes at the same address cannot run a dead one's graph). Every guard where either is missing: a
+    compiled function, weights that are the graph's inputs (guarded by dtype and shape, which a model of another
+    structure can share)."""
     on_module = [entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries]
     own_type = next((index for index, entry in enumerate(entries)
                      if on_module[index] and entry.guard_type == "TYPE_MATCH" and entry.name == "self"), None)
-    first_weight = next((entry.name for index, entry in enumerate(entries)
-                         if on_module[index] and entry.guard_type in ("ID_MATCH", "TENSOR_MATCH")
-                         and entry.name.startswith("self.") and "._parameters[" in entry.name), None)
-    if own_type is None or first_weight is None:
+    own_weight = next((index for index, entry in enumerate(entries)
+                       if on_module[index] and entry.guard_type == "ID_MATCH" and entry.name.startswith("self.")
+                       and "._parameters[" in entry.name), None)
+    if own_type is None or own_weight is None:
         return [True] * len(entries)
-    return [not module or index == own_type or entry.name == first_weight
-            for index, (entry, module) in enumerate(zip(entries, on_module, strict=True))]
+    return [not module or index in (own_type, own_weight) for index, module in enumerate(on_module)]

@@ -68,12 +68,19 @@ class CompileRung(Rung):
         self.name = name
         self.spec = spec
         self._skip_reason = skip_reason
-        # False: the model's attributes stay as they are between forwards, so the compile need not guard them
+        # False: the model's attributes stay as they are between forwards, so a frozen compile need not guard them
         self.module_guards = module_guards
+        self._guard_filters: dict[DType, module_guards.GuardFilter] = {}
 
     def without_module_guards(self) -> CompileRung:
         """This rung, its compiles leaving out dynamo's guards on the model's attributes (handlers.module_guards)."""
         return CompileRung(self.name, self.spec, self._skip_reason, module_guards=False)
+
+    def module_guard_filter(self, dtype: DType) -> module_guards.GuardFilter | None:
+        """What left the module guards out of the graphs compiled in ``dtype``; None where none did: every guard is
+        kept unless the compile freezes the weights (unfrozen, they are graph inputs, guarded by dtype and shape only,
+        which cannot tell two models of one class apart)."""
+        return self._guard_filters.get(dtype)
 
     def unavailable_reason(self) -> str | None:
         if not self.spec.enabled:
@@ -100,8 +107,8 @@ class CompileRung(Rung):
         one_graph = (self.spec.threads_follow and self.spec.backend == "inductor"
                      and global_state.guard_can_be_left_out())
         filters = [global_state.without_global_state_guard] if one_graph else []
-        if not self.module_guards:
-            filters.append(module_guards.without_module_guards)
+        if not self.module_guards and self._freezes(dtype):
+            filters.append(self._guard_filters.setdefault(dtype, module_guards.GuardFilter()))
         compiled = torch.compile(module, **_with_guard_filters(kwargs, filters))
         if one_graph:
             compiled = global_state.checked(compiled)
@@ -166,23 +173,16 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 
 
 def _with_guard_filters(kwargs: dict[str, Any], filters: list[Callable[[Any], list[bool]]]) -> dict[str, Any]:
-    """``torch.compile``'s ``kwargs`` with a ``guard_filter_fn`` keeping the guards every one of ``filters`` keeps. It
-    goes in the options, which torch.compile takes instead of a mode: an inductor mode is spelled out as its options;
-    a custom backend's mode keeps every guard."""
+    """``torch.compile``'s ``kwargs`` with a ``guard_filter_fn`` keeping the guards every one of ``filters`` keeps.
+    Only inductor compiles that set options of their own filter guards (shared cores, freezing), so a mode is
+    already spelled out as options (CompileSpec.kwargs)."""
     if not filters:
         return kwargs
-    if kwargs.get("mode") is not None:
-        if kwargs["backend"] != "inductor":
-            return kwargs
-        mode = kwargs.pop("mode")
-        kwargs["options"] = {**torch._inductor.list_mode_options(mode, kwargs.get("dynamic")),
-                             **(kwargs.get("options") or {})}
 
     def keep(entries: Any) -> list[bool]:
         return [all(kept) for kept in zip(*(chosen(entries) for chosen in filters), strict=True)]
 
-    kwargs["options"] = {**(kwargs.get("options") or {}), "guard_filter_fn": keep}
-    return kwargs
+    return {**kwargs, "options": {**kwargs["options"], "guard_filter_fn": keep}}
 
 
 def _freezing_while_traced(compiled: Forward) -> Forward:

@@ -94,11 +94,12 @@ def test_one_batch_is_run_twice_so_a_counter_still_shows():
 def test_the_ladder_leaves_the_guards_out_for_a_model_that_keeps_its_attributes_and_says_so():
     torch._dynamo.reset()
     model = Scaled().eval()
-    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    spec = CompileSpec(enabled=True, backend="inductor", dynamic=False, freezing=True)
     result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
                         lambda dtype: GATE)
     assert result.active == "compile"
-    assert result.module_guards == "left out: 2 eager forwards of the model left its attributes as they were"
+    assert result.module_guards == ("left out: 2 eager forwards of the model left its attributes as they were "
+                                    "(2 graph(s) without them)")  # static shapes: a graph per warmup batch
     # Left out for real: an attribute changed afterwards (which the model's own forwards never did) compiles
     # nothing new. That is the trade: the ladder looks first.
     x = batches()[0]["x"]
@@ -107,6 +108,24 @@ def test_the_ladder_leaves_the_guards_out_for_a_model_that_keeps_its_attributes_
     with torch.inference_mode():
         result.forward(x=x)
     assert dynamo_counts().graphs == before
+
+
+def test_an_unfrozen_compile_keeps_every_guard_and_says_why():
+    """Unfrozen, the weights are the graph's inputs, guarded by dtype and shape: nothing would tell two models of
+    one class apart without the module guards."""
+    torch._dynamo.reset()
+    model = Scaled().eval()
+    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
+    result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
+                        lambda dtype: GATE)
+    assert result.active == "compile"
+    assert result.module_guards == ("kept: the compile does not freeze the weights (graph inputs, guarded by dtype "
+                                    "and shape only)")
+    before = dynamo_counts().graphs
+    model.scale = 3.0
+    with torch.inference_mode():
+        assert torch.allclose(result.forward(x=batches()[0]["x"]), model(batches()[0]["x"]))
+    assert dynamo_counts().graphs == before + 1
 
 
 def test_a_model_whose_forward_changes_an_attribute_keeps_every_guard_and_describe_names_it():
@@ -121,25 +140,50 @@ def test_a_model_whose_forward_changes_an_attribute_keeps_every_guard_and_descri
     assert result.active == "eager"
 
 
-@pytest.mark.parametrize("freezing", [True, False])
-def test_two_compiled_copies_of_one_class_run_their_own_graphs_without_the_guards(freezing):
-    """Frozen, each copy's weights are constants of its graph: the other copy's weights by identity. Not frozen,
-    they are the graph's inputs: a copy in another precision needs a graph of its own."""
+def test_two_frozen_copies_of_one_class_run_their_own_weights_without_the_guards():
+    """Frozen, each copy's weights are constants of its graph, told apart by the identity of its first weight."""
     torch._dynamo.reset()
-    spec = CompileSpec(enabled=True, backend="inductor", dynamic=False, freezing=freezing)
+    spec = CompileSpec(enabled=True, backend="inductor", dynamic=False, freezing=True)
     first = Scaled(seed=0).eval()
     second = copy.deepcopy(first)
     with torch.no_grad():
         second.linear.weight.add_(1.0)
-    if not freezing:
-        second = second.to(torch.bfloat16)
     x = batches()[0]["x"]
     for model in (first, second):
-        dtype = DType.FLOAT32 if model is first or freezing else DType.BFLOAT16
-        forward = CompileRung("compile", spec).without_module_guards().apply(model, dtype)
+        forward = CompileRung("compile", spec).without_module_guards().apply(model, DType.FLOAT32)
         with torch.inference_mode():
-            expected = model(x.to(model.linear.weight.dtype))
-            assert torch.allclose(forward(x=x.to(expected.dtype)), expected, atol=1e-6)
+            assert torch.allclose(forward(x=x), model(x), atol=1e-6)
+
+
+class Stacked(torch.nn.Module):
+    """One class, as many layers as asked: models of one class and different structure (as two int8 builds of one
+    model, with different layers kept in float, are)."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        torch.manual_seed(layers)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("backend, freezing", [("inductor", True), ("eager", False)])
+def test_a_model_compiled_after_another_of_its_class_was_dropped_runs_its_own_graph(backend, freezing):
+    """The first model's graph stays in its class's frame cache after the model is gone, and the second model's
+    first weight may come at the dead one's address. Frozen, dynamo drops the graphs of a weight it guarded by
+    identity when the weight is freed; unfrozen, weights are guarded by dtype and shape only, so every guard stays."""
+    torch._dynamo.reset()
+    spec = CompileSpec(enabled=True, backend=backend, dynamic=False, freezing=freezing)
+    x = batches()[0]["x"]
+    for layers in (1, 2, 2, 1):
+        model = Stacked(layers).eval()
+        forward = CompileRung("compile", spec).without_module_guards().apply(model, DType.FLOAT32)
+        with torch.inference_mode():
+            assert torch.allclose(forward(x=x), model(x), atol=1e-6), layers
+        del forward, model
 
 
 def entry(guard_type, name, on_module=True):
@@ -150,13 +194,12 @@ def entry(guard_type, name, on_module=True):
 @pytest.mark.parametrize("anchors, kept", [
     ((entry("TYPE_MATCH", "self"), entry("ID_MATCH", "self._modules['linear']._parameters['weight']")),
      [True, True, True, False, False]),  # frozen: the weight by identity
-    ((entry("TYPE_MATCH", "self"), entry("TENSOR_MATCH", "self._modules['linear']._parameters['weight']"),
-      entry("TENSOR_MATCH", "self._modules['linear']._parameters['bias']")),
-     [True, True, True, False, False, False]),  # the weights are inputs: the first by dtype and shape
+    ((entry("TYPE_MATCH", "self"), entry("TENSOR_MATCH", "self._modules['linear']._parameters['weight']")),
+     [True] * 5),  # the weights are inputs, guarded by dtype and shape only: everything
     ((entry("TYPE_MATCH", "self"),), [True] * 4),  # no weight to tell copies apart: everything
     ((entry("ID_MATCH", "self._parameters['w']"),), [True] * 4),  # no type of its own (a compiled function)
 ])
-def test_the_filter_keeps_the_inputs_the_type_and_the_first_weight_or_everything(anchors, kept):
+def test_the_filter_keeps_the_inputs_the_type_and_the_first_weights_identity_or_everything(anchors, kept):
     entries = [entry("TENSOR_MATCH", "x", on_module=False), *anchors,
                entry("CONSTANT_MATCH", "self.scale"), entry("TYPE_MATCH", "self._modules")]
     assert module_guards.without_module_guards(entries) == kept
@@ -181,13 +224,16 @@ def test_module_guards_keep_keeps_every_guard_whatever_the_model_does():
     assert dynamo_counts().graphs == before + 1  # guarded: the change is seen and compiled
 
 
-def test_a_compile_with_a_mode_takes_the_filter_with_the_mode_spelled_as_options():
-    """torch.compile takes a mode or options, and the filter goes in the options: reduce-overhead (the default
-    archive's mode, CUDA graphs on a GPU) becomes its options, as freezing already spells it."""
+def test_the_default_archives_compile_a_mode_and_freezing_takes_the_filter():
+    """torch.compile takes a mode or options, and the filter goes in the options: with freezing, reduce-overhead
+    (the default archive's mode, CUDA graphs on a GPU) is spelled out as its options."""
     torch._dynamo.reset()
-    spec = CompileSpec(enabled=True, backend="inductor", mode="reduce-overhead", dynamic=False)
+    spec = CompileSpec(enabled=True, backend="inductor", mode="reduce-overhead", dynamic=False, freezing=True)
     model = Scaled().eval()
-    forward = CompileRung("compile", spec).without_module_guards().apply(model, DType.FLOAT32)
+    rung = CompileRung("compile", spec).without_module_guards()
+    forward = rung.apply(model, DType.FLOAT32)
     x = batches()[0]["x"]
     with torch.inference_mode():
         assert torch.allclose(forward(x=x), model(x), atol=1e-6)
+    left_out = rung.module_guard_filter(DType.FLOAT32)
+    assert left_out is not None and (left_out.left_out, left_out.kept) == (1, 0)
