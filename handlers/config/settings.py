@@ -314,9 +314,10 @@ class SettingsSection(Section):
     model comes."""
     module_guards: one_of(ModuleGuards) = DEFAULTS.module_guards
     """Dynamo's guards on the model's attributes (each layer norm's `eps`, each module's type and hooks), checked by
-    every compiled forward. `auto`: left out where the model's attributes, and its config's, are the same after the
-    last of the ladder's fp32 reference forwards as after the first (a forward that changes any, such as a call
-    counter, keeps them all); describe's `optimization.module_guards` says which and why. MiniLM on an AVX2-only
+    every compiled forward. `auto`: left out of compiles that freeze the weights (`freezing: true`, and int8) where
+    the model's attributes, and its config's, are the same after the last of the ladder's fp32 reference forwards as
+    after the first (a forward that changes any, such as a call counter, keeps them all); describe's
+    `optimization.module_guards` says which and why. MiniLM on an AVX2-only
     CPU: 0.5-0.8 ms off a forward of one short text. Code of your own that changes the served model's attributes
     between requests would go unseen by its compiled graph: `keep` keeps every guard."""
     threads: Threads = Field(DEFAULTS.threads, json_schema_extra={"default": "auto"})
