@@ -215,6 +215,9 @@ def _module_guards(rungs: Sequence[Rung], changed: Sequence[str], optional: bool
         shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         logger.info("compiles keep dynamo's guards on the model's attributes: its eager forwards changed %s", shown)
         return list(rungs), f"kept: the model's eager forwards changed {shown}"
+    unsupported = module_guards.unsupported_reason()
+    if unsupported:
+        return list(rungs), f"kept: {unsupported}"
     return [rung.without_module_guards() if isinstance(rung, CompileRung) else rung for rung in rungs], None
 
 
