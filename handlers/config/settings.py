@@ -317,9 +317,9 @@ class SettingsSection(Section):
     every compiled forward. `auto`: left out of compiles that freeze the weights (`freezing: true`, and int8) where
     the model's attributes, and its config's, are the same after the last of the ladder's fp32 reference forwards as
     after the first (a forward that changes any, such as a call counter, keeps them all); describe's
-    `optimization.module_guards` says which and why (torch < 2.13, as in the ipex profile, keeps them all). MiniLM on an AVX2-only
-    CPU: 0.5-0.8 ms off a forward of one short text. Code of your own that changes the served model's attributes
-    between requests would go unseen by its compiled graph: `keep` keeps every guard."""
+    `optimization.module_guards` says which and why (torch < 2.13, as in the ipex profile, keeps them all). MiniLM
+    on an AVX2-only CPU: 0.5-0.8 ms off a forward of one short text. Code of your own that changes the served model's
+    attributes between requests would go unseen by its compiled graph: `keep` keeps every guard."""
     threads: Threads = Field(DEFAULTS.threads, json_schema_extra={"default": "auto"})
     """Intra-op threads per worker. `auto`: `OMP_NUM_THREADS` where a launcher set it (fixed); else the workers on the
     usable cores (CPU affinity, capped by the container's CPU limit) share them forward by forward: a forward runs on
