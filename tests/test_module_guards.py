@@ -63,6 +63,14 @@ def run(module, batch):
     return module(**batch)
 
 
+def ladder(model, backend="inductor", freezing=True, optional=True):
+    """The ladder over a compile rung and eager, fp32, from a clean dynamo."""
+    torch._dynamo.reset()
+    spec = CompileSpec(enabled=True, backend=backend, dynamic=False, freezing=freezing)
+    return run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
+                      lambda dtype: GATE, module_guards_optional=optional)
+
+
 def test_the_state_is_the_same_after_forwards_that_change_nothing_and_what_set_up_once():
     for model in (Scaled(), SetsUpOnce()):
         with torch.inference_mode():
@@ -92,11 +100,8 @@ def test_one_batch_is_run_twice_so_a_counter_still_shows():
 
 
 def test_the_ladder_leaves_the_guards_out_for_a_model_that_keeps_its_attributes_and_says_so():
-    torch._dynamo.reset()
     model = Scaled().eval()
-    spec = CompileSpec(enabled=True, backend="inductor", dynamic=False, freezing=True)
-    result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
-                        lambda dtype: GATE)
+    result = ladder(model)
     assert result.active == "compile"
     x = batches()[0]["x"]
     before = dynamo_counts().graphs
@@ -127,11 +132,8 @@ def test_torch_2_8_keeps_every_guard_and_2_13_may_leave_them_out():
 def test_an_unfrozen_compile_keeps_every_guard_and_says_why():
     """Unfrozen, the weights are the graph's inputs, guarded by dtype and shape: nothing would tell two models of
     one class apart without the module guards."""
-    torch._dynamo.reset()
     model = Scaled().eval()
-    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
-    result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
-                        lambda dtype: GATE)
+    result = ladder(model, backend="eager", freezing=False)
     assert result.active == "compile"
     unsupported = module_guards.unsupported_reason()
     assert result.module_guards == (f"kept: {unsupported}" if unsupported else "kept: the compile does not freeze the "
@@ -144,11 +146,8 @@ def test_an_unfrozen_compile_keeps_every_guard_and_says_why():
 
 
 def test_a_model_whose_forward_changes_an_attribute_keeps_every_guard_and_describe_names_it():
-    torch._dynamo.reset()
     model = Counting().eval()
-    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
-    result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
-                        lambda dtype: GATE)
+    result = ladder(model, backend="eager", freezing=False)
     assert result.module_guards == "kept: the model's eager forwards changed calls"
     # Guarded: the counter in the graph is checked, so the compile rung is refused as recompiling every call
     # (tests/test_ladder.py::test_an_encoder_that_recompiles_every_call_is_not_accepted_as_compiled).
@@ -226,11 +225,8 @@ def test_module_guards_keep_keeps_every_guard_whatever_the_model_does():
     assert load_config({}).settings.module_guards is ModuleGuards.AUTO
     with pytest.raises(ConfigError, match="module_guards"):
         load_config({"pt2_handlers": {"module_guards": "off"}})
-    torch._dynamo.reset()
     model = Scaled().eval()
-    spec = CompileSpec(enabled=True, backend="eager", dynamic=False)
-    result = run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
-                        lambda dtype: GATE, module_guards_optional=False)
+    result = ladder(model, backend="eager", freezing=False, optional=False)
     assert (result.active, result.module_guards) == ("compile", "kept: pt2_handlers.module_guards is keep")
     before = dynamo_counts().graphs
     model.scale = 3.0
