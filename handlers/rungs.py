@@ -64,17 +64,17 @@ class Rung(ABC):
 
 
 class CompileRung(Rung):
-    def __init__(self, name: str, spec: CompileSpec, skip_reason: str | None = None, module_guards: bool = True):
+    def __init__(self, name: str, spec: CompileSpec, skip_reason: str | None = None, keep_module_guards: bool = True):
         self.name = name
         self.spec = spec
         self._skip_reason = skip_reason
         # False: the model's attributes stay as they are between forwards, so a frozen compile need not guard them
-        self.module_guards = module_guards
+        self.keep_module_guards = keep_module_guards
         self._guard_filters: dict[DType, module_guards.GuardFilter] = {}
 
     def without_module_guards(self) -> CompileRung:
         """This rung, its compiles leaving out dynamo's guards on the model's attributes (handlers.module_guards)."""
-        return CompileRung(self.name, self.spec, self._skip_reason, module_guards=False)
+        return CompileRung(self.name, self.spec, self._skip_reason, keep_module_guards=False)
 
     def module_guard_filter(self, dtype: DType) -> module_guards.GuardFilter | None:
         """What left the module guards out of the graphs compiled in ``dtype``; None where none did: every guard is
@@ -107,7 +107,7 @@ class CompileRung(Rung):
         one_graph = (self.spec.threads_follow and self.spec.backend == "inductor"
                      and global_state.guard_can_be_left_out())
         filters = [global_state.without_global_state_guard] if one_graph else []
-        if not self.module_guards and self._freezes(dtype):
+        if not self.keep_module_guards and self._freezes(dtype):
             filters.append(self._guard_filters.setdefault(dtype, module_guards.GuardFilter()))
         compiled = torch.compile(module, **_with_guard_filters(kwargs, filters))
         if one_graph:
