@@ -25,6 +25,10 @@
 # lives under $PT2_PROFILES_DIR too (venv-infinity-<key>, keyed by the Python version, constraints/infinity.txt and
 # the requirement it installs; ~1.6 GB, about a minute). torch is installed first, by its exact CPU pin: a bare torch
 # requirement would pull the multi-GB CUDA build.
+# default: a fresh clone's .venv links to a venv under $PROFILES_DIR as well (venv-default-<key>, keyed the same way
+# by the Python version, constraints/default.txt and the extras it installs), so new clones and CI reuse it instead of
+# installing ~2 GB again (151 s of scripts/test.sh on 2 cores). A .venv directory of your own (or VENV=path) is used as
+# it is, extras of yours included; the shared venv holds exactly the pins, and is built again if it holds more.
 # The pt2-handlers package itself is NOT left installed: archives carry their own copy of `handlers`,
 # and the tests prove they load on a host without it.
 set -euo pipefail
@@ -55,34 +59,69 @@ unpinned() {  # venv pins-file: what the venv holds that the file does not pin (
     | grep -vixF -f <(grep -v -e '^#' -e '^$' "$2") || true
 }
 
+venv_key() {  # pins-file extra...: what decides a shared venv's contents, hashed
+  python3 -c 'import hashlib, json, sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+inputs = [sys.version.split()[0], open(sys.argv[1]).read(), project["dependencies"], *(extras[e] for e in sys.argv[2:])]
+print(hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:12])' "$@"
+}
+
 report() {
   echo "[setup] $PROFILE done in $(( $(date +%s) - started ))s: $("$1/bin/python" -c 'import torch, transformers, ts; print("torch", torch.__version__, "transformers", transformers.__version__, "torchserve", ts.__version__)' 2>/dev/null)"
 }
 
 case "$PROFILE" in
   default)
-    VENV=${VENV:-.venv}
-    if [ ! -x "$VENV/bin/python" ]; then
-      echo "[setup] creating $VENV"
-      python3 -m venv "$VENV"
+    extras=(cpu int8 test grpc deploy example docs)
+    spec=".[$(IFS=,; echo "${extras[*]}")]"
+    if [ -n "${VENV:-}" ] || { [ -d .venv ] && [ ! -L .venv ]; }; then
+      VENV=${VENV:-.venv}  # yours: installed into as it is
+      if [ ! -x "$VENV/bin/python" ]; then
+        echo "[setup] creating $VENV"
+        python3 -m venv "$VENV"
+      fi
+      echo "[setup] installing pt2-handlers dependencies ($spec) pinned by $DEFAULT_PINS"
+      pip_in "$VENV" install -c "$DEFAULT_PINS" "$spec"
+      pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
+      # Not fatal here: a developer's .venv may hold extras of their own (e.g. the bench extra).
+      extra=$(unpinned "$VENV" "$DEFAULT_PINS")
+      [ -z "$extra" ] || echo "[setup] note: $VENV also holds, not pinned by $DEFAULT_PINS:" $extra
+    else
+      VENV="$PROFILES_DIR/venv-default-$(venv_key "$DEFAULT_PINS" "${extras[@]}")"
+      extra=
+      if [ -f "$VENV/.complete" ]; then
+        extra=$(unpinned "$VENV" "$DEFAULT_PINS")
+        # Installed into through the link (an extra, or pt2-handlers itself): built again, as the pins say.
+        [ -z "$extra" ] || echo "[setup] $VENV holds more than $DEFAULT_PINS pins ($extra): building it again"
+      fi
+      if [ -f "$VENV/.complete" ] && [ -z "$extra" ] \
+          && ! "$VENV/bin/python" -m pip --disable-pip-version-check show -q pt2-handlers >/dev/null 2>&1; then
+        echo "[setup] reusing $VENV (same Python, $DEFAULT_PINS and dependency lists)"
+      else
+        rm -rf "$VENV"
+        mkdir -p "$PROFILES_DIR"
+        echo "[setup] creating $VENV: pt2-handlers dependencies ($spec) pinned by $DEFAULT_PINS"
+        python3 -m venv "$VENV"
+        pip_in "$VENV" install -c "$DEFAULT_PINS" "$spec"
+        pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
+        extra=$(unpinned "$VENV" "$DEFAULT_PINS")
+        if [ -n "$extra" ]; then
+          echo "[setup] $VENV holds versions $DEFAULT_PINS does not pin (add them there):" $extra >&2
+          exit 1
+        fi
+        touch "$VENV/.complete"
+        # Venvs of older pins are not reused by anything: reclaim their disk.
+        find "$PROFILES_DIR" -maxdepth 1 -name 'venv-default-*' ! -path "$VENV" -exec rm -rf {} +
+      fi
+      ln -sfn "$VENV" .venv
     fi
-    echo "[setup] installing pt2-handlers dependencies (.[cpu,int8,test,grpc,deploy,example,docs]) pinned by $DEFAULT_PINS"
-    pip_in "$VENV" install -c "$DEFAULT_PINS" ".[cpu,int8,test,grpc,deploy,example,docs]"
-    pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
-    # Not fatal here: a developer's .venv may hold extras of their own (e.g. the bench extra).
-    extra=$(unpinned "$VENV" "$DEFAULT_PINS")
-    [ -z "$extra" ] || echo "[setup] note: $VENV also holds, not pinned by $DEFAULT_PINS:" $extra
     command -v java >/dev/null || { echo "[setup] TorchServe needs Java 17 (apt-get install openjdk-17-jre-headless)"; exit 1; }
     report "$VENV"
     ;;
   ipex)
     # Keyed by what decides its contents: the Python version, the pins, and the dependency lists it installs.
-    key=$(python3 -c 'import hashlib, json, sys, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-extras = project["optional-dependencies"]
-inputs = [sys.version.split()[0], open(sys.argv[1]).read(), project["dependencies"], extras["ipex"], extras["test"],
-          extras["example"]]
-print(hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:12])' "$IPEX_PINS")
+    key=$(venv_key "$IPEX_PINS" ipex test example)
     VENV="$PROFILES_DIR/venv-ipex-$key"
     if [ -f "$VENV/.complete" ]; then
       echo "[setup] reusing $VENV (same Python, $IPEX_PINS and dependency lists)"

@@ -17,6 +17,9 @@ from tests.test_precision import auto_served
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_YAML = REPO / "model_configs" / "minilm-embeddings.yaml"
+# Once: the ipex profile proves the same compile of the shipped YAML through TorchServe (tests/test_torchserve.py:
+# describe and the embeddings against sentence-transformers), and under torch 2.8 each costs a cold compile (~90 s).
+pytestmark = pytest.mark.default_profile
 TEXTS = ["TorchServe makes serving easy.", "A compiled model answers faster.", "short", "the cat sat on the mat " * 8]
 
 
