@@ -18,7 +18,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from handlers.config import CompileSpec, DType, HandlerConfig, RungName
-from handlers import global_state, module_guards, prepacked_cache, small_batches
+from handlers import global_state, module_guards, prepacked_cache, small_batches, unbacked_rows
 from handlers.ipex import IPEX_BACKEND, probe_ipex
 
 Forward = Callable[..., Any]
@@ -110,6 +110,8 @@ class CompileRung(Rung):
         if not self.keep_module_guards and self._freezes(dtype):
             filters.append(self._guard_filters.setdefault(dtype, module_guards.GuardFilter()))
         compiled = torch.compile(module, **_with_guard_filters(kwargs, filters))
+        if self.spec.one_graph and unbacked_rows.wanted(module):  # the model's head would give batch 1 a graph
+            compiled = unbacked_rows.marking(compiled)
         if one_graph:
             compiled = global_state.checked(compiled)
         if self._freezes(dtype):
@@ -164,6 +166,7 @@ class CompileRung(Rung):
         if self.spec.one_graph:
             # Only while tracing: the guards it produces then admit batch size 1 to the same graph.
             stack.enter_context(fx_config.patch(backed_size_oblivious=True))
+            stack.enter_context(unbacked_rows.while_traced())
         return stack
 
 

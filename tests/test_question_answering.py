@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from handlers.config import load_config
 from handlers.engine import Engine
 from handlers.errors import InvalidInput, ModelLoadError
 from tests import pipeline_reference
+
+SHIPPED_YAML = Path(__file__).resolve().parent.parent / "model_configs" / "minilm-question-answering.yaml"
 
 CONTEXT = "The Eiffel Tower was completed in 1889 in Paris, for the World's Fair, by Gustave Eiffel's company."
 LONG_CONTEXT = " ".join(f"In {1800 + year} the city of Lyon built bridge number {year} over the Rhône."
@@ -124,3 +127,23 @@ def test_the_windows_come_from_the_rust_backend_and_transformers_path_answers_th
     for got, want in zip(direct.predict(batch), through_transformers.predict(batch), strict=True):
         for ours, theirs in zip(got, want, strict=True) if isinstance(got, list) else [(got, want)]:
             assert_same_answer(ours, theirs, tolerance=0.0)
+
+
+@pytest.mark.default_profile  # torch 2.13's unbacked sizes (handlers.unbacked_rows); torch 2.8 traces as before
+def test_the_shipped_compile_serves_batch_1_and_larger_batches_with_one_graph(qa, task_model_dirs):
+    """The QA head's squeezed logits made inductor guard the batch on 1, so batch 4 compiled a second graph (two
+    cold compiles per load); traced with unbacked rows, the one graph serves both, with the eager engine's answers."""
+    raw = yaml.safe_load(SHIPPED_YAML.read_text())
+    raw["pt2_handlers"].update(model_dir=str(task_model_dirs["minilm-qa"]), dtype="float32")
+    torch._dynamo.reset()  # a worker's process: no graphs of earlier tests on the same code
+    engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), "qa")
+    engine.load()
+    optimization = engine.describe()["optimization"]
+    (accepted,) = [a for a in optimization["attempts"] if a["status"] == "accepted"]
+    assert (accepted["rung"], optimization["shapes"]["batch_sizes"]) == ("compile", [1, 4]), optimization
+    assert accepted["dynamo"]["graphs"] == 1, accepted["dynamo"]  # two before: batch 1, then batch 4
+    answers = engine.predict(CALLS[:4]) + engine.predict([CALLS[0]])  # four rows, then one
+    assert all(isinstance(answer, (dict, list)) for answer in answers), answers
+    for got, call in zip(answers, CALLS[:4] + [CALLS[0]], strict=True):
+        assert_same_answer(got, qa.predict([call])[0])
+    assert engine.describe()["optimization"]["runtime"]["compiles_after_ready"] == 0

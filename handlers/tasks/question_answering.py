@@ -63,6 +63,10 @@ class QuestionRequest:
 class SpanLogits(torch.nn.Module):
     """The QA model's start and end logits in fp32 (what the span search reads)."""
 
+    # The head's squeezed logits make inductor ask whether the batch is 1: traced with unbacked rows, one graph
+    # serves batch 1 too (handlers.unbacked_rows)
+    rows_unbacked_while_traced = True
+
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
