@@ -53,6 +53,9 @@ QA_REFERENCE_PINS=(transformers==4.57.1 tokenizers==0.22.2 huggingface-hub==0.36
 started=$(date +%s)
 
 pip_in() { "$1/bin/python" -m pip --disable-pip-version-check -q "${@:2}"; }
+# No byte-compiling at install: pip spends most of an install writing .pyc for every module of torch (26.6 s against
+# 9.5 s for torch + transformers here); Python writes them for the modules a process imports, the first time.
+pip_install() { pip_in "$1" install --no-compile "${@:2}"; }
 
 unpinned() {  # venv pins-file: what the venv holds that the file does not pin (e.g. a new dependency)
   "$1/bin/python" -m pip --disable-pip-version-check freeze --all --exclude pip --exclude pt2-handlers \
@@ -65,6 +68,35 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
 inputs = [sys.version.split()[0], open(sys.argv[1]).read(), project["dependencies"], *(extras[e] for e in sys.argv[2:])]
 print(hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:12])' "$@"
+}
+
+build_shared_venv() {  # venv pins-file import-check requirement...: build venv from nothing, each requirement
+  # installed in turn under the pins; never marked complete (so never reused) if it holds a version the pins do not
+  # name or import-check (Python, may be empty) fails; then the venvs of this profile's older keys are removed.
+  local venv=$1 pins=$2 check=$3 requirement import_error
+  shift 3
+  rm -rf "$venv"
+  mkdir -p "$PROFILES_DIR"
+  python3 -m venv "$venv"
+  for requirement in "$@"; do
+    pip_install "$venv" -c "$pins" "$requirement"
+  done
+  pip_in "$venv" uninstall -y pt2-handlers >/dev/null 2>&1 || true
+  echo "[setup] ${venv##*/}: $(du -sh "$venv" | cut -f1) in $(( $(date +%s) - started ))s"
+  extra=$(unpinned "$venv" "$pins")
+  if [ -n "$extra" ]; then
+    echo "[setup] $venv holds versions $pins does not pin (add them there, as its header says):" $extra >&2
+    exit 1
+  fi
+  if [ -n "$check" ] && ! import_error=$("$venv/bin/python" -c "$check" 2>&1); then
+    echo "[setup] $venv fails its import check ($check):" >&2
+    tail -n 3 <<<"$import_error" >&2
+    exit 1
+  fi
+  touch "$venv/.complete"
+  # Venvs of older pins are not reused by anything: reclaim their disk.
+  local profile_prefix=${venv##*/}
+  find "$PROFILES_DIR" -maxdepth 1 -name "${profile_prefix%-*}-*" ! -path "$venv" -exec rm -rf {} +
 }
 
 report() {
@@ -82,7 +114,7 @@ case "$PROFILE" in
         python3 -m venv "$VENV"
       fi
       echo "[setup] installing pt2-handlers dependencies ($spec) pinned by $DEFAULT_PINS"
-      pip_in "$VENV" install -c "$DEFAULT_PINS" "$spec"
+      pip_install "$VENV" -c "$DEFAULT_PINS" "$spec"
       pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
       # Not fatal here: a developer's .venv may hold extras of their own (e.g. the bench extra).
       extra=$(unpinned "$VENV" "$DEFAULT_PINS")
@@ -99,20 +131,8 @@ case "$PROFILE" in
           && ! "$VENV/bin/python" -m pip --disable-pip-version-check show -q pt2-handlers >/dev/null 2>&1; then
         echo "[setup] reusing $VENV (same Python, $DEFAULT_PINS and dependency lists)"
       else
-        rm -rf "$VENV"
-        mkdir -p "$PROFILES_DIR"
         echo "[setup] creating $VENV: pt2-handlers dependencies ($spec) pinned by $DEFAULT_PINS"
-        python3 -m venv "$VENV"
-        pip_in "$VENV" install -c "$DEFAULT_PINS" "$spec"
-        pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
-        extra=$(unpinned "$VENV" "$DEFAULT_PINS")
-        if [ -n "$extra" ]; then
-          echo "[setup] $VENV holds versions $DEFAULT_PINS does not pin (add them there):" $extra >&2
-          exit 1
-        fi
-        touch "$VENV/.complete"
-        # Venvs of older pins are not reused by anything: reclaim their disk.
-        find "$PROFILES_DIR" -maxdepth 1 -name 'venv-default-*' ! -path "$VENV" -exec rm -rf {} +
+        build_shared_venv "$VENV" "$DEFAULT_PINS" "" "$spec"
       fi
       ln -sfn "$VENV" .venv
     fi
@@ -126,27 +146,9 @@ case "$PROFILE" in
     if [ -f "$VENV/.complete" ]; then
       echo "[setup] reusing $VENV (same Python, $IPEX_PINS and dependency lists)"
     else
-      rm -rf "$VENV"
-      mkdir -p "$PROFILES_DIR"
       echo "[setup] creating $VENV: torch 2.8.0 (CUDA build + nvidia-* libraries, several GB) + $IPEX_PIN"
-      python3 -m venv "$VENV"
-      pip_in "$VENV" install -c "$IPEX_PINS" ".[ipex,test,example]"
-      pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
-      echo "[setup] ipex venv: $(du -sh "$VENV" | cut -f1) in $(( $(date +%s) - started ))s"
-      extra=$(unpinned "$VENV" "$IPEX_PINS")
-      if [ -n "$extra" ]; then
-        echo "[setup] $VENV holds versions $IPEX_PINS does not pin (regenerate it as its header says):" $extra >&2
-        exit 1
-      fi
       # IPEX breaks at import on a transformers it does not know: a venv it cannot import in is never reused.
-      if ! import_error=$("$VENV/bin/python" -c 'import intel_extension_for_pytorch' 2>&1); then
-        echo "[setup] intel_extension_for_pytorch does not import in $VENV:" >&2
-        tail -n 3 <<<"$import_error" >&2
-        exit 1
-      fi
-      touch "$VENV/.complete"
-      # Venvs of older pins are not reused by anything: reclaim their disk.
-      find "$PROFILES_DIR" -maxdepth 1 -name 'venv-ipex-*' ! -path "$VENV" -exec rm -rf {} +
+      build_shared_venv "$VENV" "$IPEX_PINS" "import intel_extension_for_pytorch" ".[ipex,test,example]"
     fi
     ln -sfn "$VENV" .venv-ipex
     report "$VENV"
@@ -161,28 +163,11 @@ case "$PROFILE" in
       if [ -f "$VENV/.complete" ]; then
         echo "[setup] reusing $VENV (same Python and $INFINITY_PINS)"
       else
-        rm -rf "$VENV"
-        mkdir -p "$PROFILES_DIR"
         echo "[setup] creating $VENV: $torch_pin first, then $INFINITY_REQ pinned by $INFINITY_PINS"
-        python3 -m venv "$VENV"
-        pip_in "$VENV" install -c "$INFINITY_PINS" "$torch_pin"
-        pip_in "$VENV" install -c "$INFINITY_PINS" "$INFINITY_REQ"
-        echo "[setup] infinity venv: $(du -sh "$VENV" | cut -f1) in $(( $(date +%s) - started ))s"
-        extra=$(unpinned "$VENV" "$INFINITY_PINS")
-        if [ -n "$extra" ]; then
-          echo "[setup] $VENV holds versions $INFINITY_PINS does not pin (regenerate it as its header says):" $extra
-          exit 1
-        fi
         # What scripts/peers.py and the two engines import: a venv where one of them fails is never reused.
-        if ! import_error=$("$VENV/bin/python" -c 'import infinity_emb, sentence_transformers, onnxruntime
+        build_shared_venv "$VENV" "$INFINITY_PINS" "import infinity_emb, sentence_transformers, onnxruntime
 from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTOptimizer
-from optimum.exporters.onnx import main_export' 2>&1); then
-          echo "[setup] the Infinity engines do not import in $VENV:"
-          tail -n 3 <<<"$import_error"
-          exit 1
-        fi
-        touch "$VENV/.complete"
-        find "$PROFILES_DIR" -maxdepth 1 -name 'venv-infinity-*' ! -path "$VENV" -exec rm -rf {} +
+from optimum.exporters.onnx import main_export" "$torch_pin" "$INFINITY_REQ"
       fi
       echo "[setup] $PROFILE ready in $(( $(date +%s) - started ))s: $("$VENV/bin/python" -c 'import torch, transformers, infinity_emb; print("torch", torch.__version__, "transformers", transformers.__version__, "infinity-emb", infinity_emb.__version__)' 2>/dev/null)"
     } >&2
@@ -206,7 +191,7 @@ from optimum.exporters.onnx import main_export' 2>&1); then
       rm -rf "$target"
       mkdir -p "$target"
       python=$(command -v .venv/bin/python || command -v python3)
-      "$python" -m pip --disable-pip-version-check -q install --no-deps --target "$target" "${QA_REFERENCE_PINS[@]}" >&2
+      "$python" -m pip --disable-pip-version-check -q install --no-compile --no-deps --target "$target" "${QA_REFERENCE_PINS[@]}" >&2
       touch "$target/.complete"
     fi
     echo "$target"
