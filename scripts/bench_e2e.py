@@ -76,7 +76,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=list(WORKLOADS),
                         help="uniform: ~120-token texts; mixed: 8-96 words; short: 8-16 words")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per cell (requests split)")
-    parser.add_argument("--warmup", type=int, default=8, help="untimed requests per model and workload first")
+    # TorchServe's frontend (a JVM) serves a lone request ~2-5 ms slower for its first few hundred requests, while its
+    # JIT compiles; a serving server is past that, and so is a peer, which needs no warming (docs/performance.md).
+    parser.add_argument("--warmup", type=int, default=400, help="untimed requests per model and workload first")
     parser.add_argument("--config", type=Path, default=package.DEFAULT_CONFIG, help="model YAML for ours")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override the model YAML (both models' batching follows it), e.g. maxBatchDelay=1 "
