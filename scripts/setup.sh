@@ -53,10 +53,6 @@ QA_REFERENCE_PINS=(transformers==4.57.1 tokenizers==0.22.2 huggingface-hub==0.36
 started=$(date +%s)
 
 pip_in() { "$1/bin/python" -m pip --disable-pip-version-check -q "${@:2}"; }
-# pip byte-compiles every module it installs (most of an install's time: 26.6 s against 9.5 s without, for torch +
-# transformers on 2 cores). Kept: where PYTHONDONTWRITEBYTECODE is set (CI sets it) nothing writes them later, and
-# every worker would compile torch's modules at each start (a suite 7 minutes longer, measured).
-pip_install() { pip_in "$1" install "${@:2}"; }
 
 unpinned() {  # venv pins-file: what the venv holds that the file does not pin (e.g. a new dependency)
   "$1/bin/python" -m pip --disable-pip-version-check freeze --all --exclude pip --exclude pt2-handlers \
@@ -79,8 +75,10 @@ build_shared_venv() {  # venv pins-file import-check requirement...: build venv 
   rm -rf "$venv"
   mkdir -p "$PROFILES_DIR"
   python3 -m venv "$venv"
+  # pip byte-compiles what it installs (most of the install's time), kept on purpose: where PYTHONDONTWRITEBYTECODE is
+  # set (CI sets it) nothing writes the .pyc later, and every worker compiled torch at each start (docs/profiles.md).
   for requirement in "$@"; do
-    pip_install "$venv" -c "$pins" "$requirement"
+    pip_in "$venv" install -c "$pins" "$requirement"
   done
   pip_in "$venv" uninstall -y pt2-handlers >/dev/null 2>&1 || true
   echo "[setup] ${venv##*/}: $(du -sh "$venv" | cut -f1) in $(( $(date +%s) - started ))s"
@@ -115,7 +113,7 @@ case "$PROFILE" in
         python3 -m venv "$VENV"
       fi
       echo "[setup] installing pt2-handlers dependencies ($spec) pinned by $DEFAULT_PINS"
-      pip_install "$VENV" -c "$DEFAULT_PINS" "$spec"
+      pip_in "$VENV" install -c "$DEFAULT_PINS" "$spec"
       pip_in "$VENV" uninstall -y pt2-handlers >/dev/null
       # Not fatal here: a developer's .venv may hold extras of their own (e.g. the bench extra).
       extra=$(unpinned "$VENV" "$DEFAULT_PINS")
