@@ -57,15 +57,17 @@ def test_the_production_config_is_deliberate():
                                        for a in addresses), addresses
 
 
-def test_the_frontend_jvm_runs_c1_only_in_every_shipped_config(production):
-    """C2's compiler threads take cores from the worker's OpenMP threads (docs/performance.md: the frontend's JIT):
-    the three shipped server configs say C1 only, and the running frontend's JVM got it."""
+def test_the_frontend_jvm_runs_c1_only_and_the_serial_collector_in_every_shipped_config(production):
+    """C2's compiler threads and G1's collector threads take cores from the worker's OpenMP threads
+    (docs/performance.md: the frontend's JIT, its garbage collector): the three shipped server configs say C1 only and
+    the serial collector, and the running frontend's JVM got both."""
     shipped = [PRODUCTION, tsctl.DEFAULT_CONFIG, REPO / "deploy" / "k8s" / "shared" / "config.properties"]
     vmargs = {str(path.relative_to(REPO)): tsctl.read_properties(path).get("vmargs") for path in shipped}
-    assert set(vmargs.values()) == {"-XX:TieredStopAtLevel=1"}, vmargs
+    assert set(vmargs.values()) == {"-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}, vmargs
     pid = int((production.run_dir / "tmp" / ".model_server.pid").read_text())
     command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    assert b"org.pytorch.serve.ModelServer" in command and b"-XX:TieredStopAtLevel=1" in command, command
+    assert b"org.pytorch.serve.ModelServer" in command, command
+    assert b"-XX:TieredStopAtLevel=1" in command and b"-XX:+UseSerialGC" in command, command
 
 
 def test_the_model_api_is_off_even_with_the_management_key(production):
