@@ -3,8 +3,9 @@
 #   0. ruff, and the docs site built with warnings as errors (mkdocs build --strict)
 #   1. default (.venv: torch 2.13 CPU): unit + real TorchServe tests (the docs' examples among them), and the IPEX 2.8
 #      wheel beside torch 2.13
-#   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8, its venv built in the background during stage 1): the suite but the
-#      default_profile tests, plus the IPEX rung for real
+#   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the suite but the default_profile tests, plus the IPEX rung for real.
+#      It runs beside stage 1, in the background: its venv is built first, then its tests run (output in
+#      .cache/test-ipex.log, shown when stage 1 is done)
 # Each archive is built once and served in both. Arguments go to both pytest runs.
 # PT2_PROFILES=default runs stage 1 only (a quick local loop); CI runs both. On an AVX-512 CPU stage 1 ends with the
 # precision tests as an AVX2-only CPU runs them (below).
@@ -24,29 +25,9 @@ case ${PT2_TEST_ISA:-} in
   *) echo "[test] PT2_TEST_ISA=${PT2_TEST_ISA}: only avx2 is known" >&2; exit 2 ;;
 esac
 
-# The ipex venv (several GB, mostly download and unpacking) builds in the background while stage 1 runs: on 2 cores
-# it took 4 of the suite's minutes on its own. Its output is shown when stage 2 waits for it.
-ipex_setup_log=.cache/setup-ipex.log
-if [[ " $PROFILES " == *" ipex "* ]]; then
-  mkdir -p .cache
-  setsid bash scripts/setup.sh --profile ipex > "$ipex_setup_log" 2>&1 &
-  ipex_setup=$!
-  # A stage that fails ends the script: the build (its own process group) goes with it, unfinished, never reused.
-  trap 'kill -- -"$ipex_setup" 2>/dev/null || true' EXIT
-fi
-bash scripts/setup.sh
-echo "[test] ruff check"
-.venv/bin/ruff check handlers scripts tests benchmarks
-
-# The documentation site (mkdocs.yml): any warning (a broken link or anchor, a page left out of the nav) fails.
-# NO_MKDOCS_2_WARNING hides the theme's notice about its successor, which is not a warning about these docs.
-echo "[test] docs: mkdocs build --strict"
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
-
 # Each archive the tests serve is built once, by the first profile that needs it (tests/conftest.py: model_store),
 # and served by both: the same bytes under torch 2.13 and 2.8. Emptied first, so no archive of an earlier checkout
 # is served.
-echo "[test] one store of archives for both profiles"
 shared_store=.cache/shared-store
 rm -rf "$shared_store" && mkdir -p "$shared_store"
 export PT2_SHARED_STORE=$PWD/$shared_store
@@ -66,34 +47,62 @@ stage() {  # profile venv inductor-cache [pytest args]
     "$venv/bin/python" -m pytest "$@"
 }
 
+# The ipex stage runs beside stage 1. Sampled through the suite, the machine was half idle (one core of two): a
+# TorchServe worker's load is mostly dynamo's tracing and inductor's lowering, on one thread, and the ipex venv is
+# download and unpacking. Each stage has its own temp dir (pytest's, TorchServe's, the core share's lock files), its
+# own inductor cache and its own ports (tests/conftest.py: port_shift), so neither sees the other's workers.
+ipex_log=.cache/test-ipex.log
+if [[ " $PROFILES " == *" ipex "* ]]; then
+  mkdir -p .cache
+  ipex_tmp=$(mktemp -d "${TMPDIR:-/tmp}/pt2-test-ipex-XXXXXX")
+  set -m  # the stage in a process group of its own, so that it can be stopped with every process it started
+  ( set +m
+    echo "[test] building the ipex venv (scripts/setup.sh --profile ipex)"
+    bash scripts/setup.sh --profile ipex
+    # Its own inductor cache: torch 2.8 and 2.13 write different graphs and kernels.
+    TMPDIR=$ipex_tmp stage ipex .venv-ipex ".cache/inductor-ipex$cache_suffix" "$@"
+  ) > "$ipex_log" 2>&1 &
+  ipex_stage=$!
+  set +m
+  # A stage 1 that fails ends the script: stage 2 goes with it, unfinished.
+  trap 'kill -- -"$ipex_stage" 2>/dev/null || true; rm -rf "$ipex_tmp"' EXIT
+  echo "[test] the ipex stage runs in the background: its venv, then its tests (output: $ipex_log)"
+fi
+
+bash scripts/setup.sh
+echo "[test] ruff check"
+.venv/bin/ruff check handlers scripts tests benchmarks
+# The documentation site (mkdocs.yml): any warning (a broken link or anchor, a page left out of the nav) fails.
+# NO_MKDOCS_2_WARNING hides the theme's notice about its successor, which is not a warning about these docs.
+echo "[test] docs: mkdocs build --strict"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+
 if [[ " $PROFILES " == *" default "* ]]; then
   PT2_IPEX_WHEEL_DIR=$(bash scripts/setup.sh --ipex-wheel) stage default .venv ".cache/inductor$cache_suffix" "$@"
-fi
-# On an AVX-512 machine, the precision tests once more as an AVX2-only CPU runs them (about a minute): the other kind
-# of machine here, whose int8 and dtype paths differ. On an AVX2 machine the default stage already was that run.
-if [[ " $PROFILES " == *" default "* && -z ${PT2_TEST_ISA:-} ]]; then
-  if [[ $(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())') == AVX512 ]]; then
-    echo "[test] the precision tests with kernels held to AVX2, as an AVX2-only CPU runs them"
-    # Where int8 is calibrated from (the archive's file or the warmup batches) does not depend on the kernels: one of
-    # the two runs here.
-    (hold_kernels_to_avx2
-     stage default .venv .cache/inductor-avx2 tests/test_int8.py tests/test_precision.py tests/test_config.py \
-       tests/test_generation.py::test_dtype_auto_serves_float32_and_says_why \
-       --deselect "tests/test_int8.py::test_minilm_embeddings_compile_in_int8_within_the_gate[calibration-file]")
-  else
-    echo "[test] this CPU dispatches below AVX-512: the default stage ran as the AVX2 kind runs it"
+  # On an AVX-512 machine, the precision tests once more as an AVX2-only CPU runs them (about a minute): the other
+  # kind of machine here, whose int8 and dtype paths differ. On an AVX2 machine the default stage already was that run.
+  if [[ -z ${PT2_TEST_ISA:-} ]]; then
+    if [[ $(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())') == AVX512 ]]; then
+      echo "[test] the precision tests with kernels held to AVX2, as an AVX2-only CPU runs them"
+      # Where int8 is calibrated from (the archive's file or the warmup batches) does not depend on the kernels: one
+      # of the two runs here.
+      (hold_kernels_to_avx2
+       stage default .venv .cache/inductor-avx2 tests/test_int8.py tests/test_precision.py tests/test_config.py \
+         tests/test_generation.py::test_dtype_auto_serves_float32_and_says_why \
+         --deselect "tests/test_int8.py::test_minilm_embeddings_compile_in_int8_within_the_gate[calibration-file]")
+    else
+      echo "[test] this CPU dispatches below AVX-512: the default stage ran as the AVX2 kind runs it"
+    fi
   fi
 fi
 if [[ " $PROFILES " == *" ipex "* ]]; then
-  echo "[test] waiting for the ipex venv (scripts/setup.sh --profile ipex, started with stage 1)"
-  ipex_setup_status=0
-  wait "$ipex_setup" || ipex_setup_status=$?
-  cat "$ipex_setup_log"
-  if (( ipex_setup_status != 0 )); then
-    echo "[test] building the ipex venv failed (exit $ipex_setup_status): its output is above" >&2
-    exit "$ipex_setup_status"
+  echo "[test] the ipex stage's output so far, then as it comes ($ipex_log):"
+  tail -n +1 -f --pid="$ipex_stage" "$ipex_log"
+  ipex_status=0
+  wait "$ipex_stage" || ipex_status=$?
+  if (( ipex_status != 0 )); then
+    echo "[test] the ipex stage failed (exit $ipex_status): its output is above" >&2
+    exit "$ipex_status"
   fi
-  # Its own inductor cache: torch 2.8 and 2.13 write different graphs and kernels.
-  stage ipex .venv-ipex ".cache/inductor-ipex$cache_suffix" "$@"
 fi
 echo "[test] all stages passed in $(( $(date +%s) - started ))s"

@@ -44,6 +44,12 @@ def declared_profile() -> str | None:
     return profile
 
 
+def port_shift(shift: int) -> int:
+    """The port shift (``tsctl.shifted_config``) of a test server: ``shift`` in the default profile, 500 more in
+    the ipex profile, whose stage scripts/test.sh runs beside the default one."""
+    return shift + (500 if declared_profile() == "ipex" else 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
     gpu needs CUDA; fused_kernel needs an AVX-512 CPU; ipex needs the ipex profile; ipex_mismatch needs the default
@@ -168,9 +174,11 @@ def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
             print(f"[package] {name}.mar from the shared store {shared}", flush=True)
             return
         built = package.build(name, model_dir, config, store, extra_files=extra_files)
-        if kept:  # whole or not at all: a run stopped mid-copy leaves no half archive for the next profile
-            shutil.copy(built, kept.with_suffix(".partial"))
-            kept.with_suffix(".partial").replace(kept)
+        if kept:  # whole or not at all: a run stopped mid-copy leaves no half archive for the next profile, and the
+            # other profile's stage, running at the same time, may be copying the same archive
+            partial = kept.with_suffix(f".{os.getpid()}.partial")
+            shutil.copy(built, partial)
+            partial.replace(kept)
 
     archive("minilm", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml")
     archive("minilm-buckets", minilm_dir, REPO / "tests" / "configs" / "minilm-buckets.yaml")

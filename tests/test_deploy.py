@@ -21,6 +21,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import tsctl  # noqa: E402
 
+from tests.conftest import port_shift  # noqa: E402
+
 pytestmark = pytest.mark.default_profile  # kubernetes-validate is installed in the default venv only
 
 DEPLOY = REPO / "deploy"
@@ -245,7 +247,7 @@ def test_the_in_pod_config_serves_and_the_manifest_probe_says_ready(tmp_path, mo
     source = tmp_path / "config.properties"
     source.write_text(text)
     (tmp_path / "shifted").mkdir()
-    config = tsctl.shifted_config(tmp_path / "shifted", 14000, source)  # ports clear of the other suites' servers
+    config = tsctl.shifted_config(tmp_path / "shifted", port_shift(14000), source)  # clear of the other test servers
     run_dir = tmp_path / "run"
     server = tsctl.start(config, model_store, ["minilm=minilm.mar"], run_dir, timeout=900)
     try:

@@ -28,8 +28,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import tsctl  # noqa: E402
 
+from tests.conftest import port_shift  # noqa: E402
+
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-PORT_SHIFT = 16000  # clear of the other test servers (+10000 ... +15000)
+PORT_SHIFT = port_shift(16000)  # clear of the other test servers (+10000 ... +15000)
 # The names the docs call, and the archives tests/conftest.py's model_store builds for them.
 SERVED = {"minilm": "minilm.mar", "sentiment": "minilm-sentiment.mar", "ner": "minilm-ner.mar", "qa": "minilm-qa.mar",
           "llama": "tiny-llama.mar"}

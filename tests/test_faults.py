@@ -25,11 +25,12 @@ import package  # noqa: E402
 import tsctl  # noqa: E402
 
 from handlers.ipex import probe_ipex  # noqa: E402
+from tests.conftest import port_shift  # noqa: E402
 from tests.test_torchserve import TEXTS, assert_close_embeddings, describe, predict  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.default_profile]
 
-PORT_SHIFT = 12000  # clear of the other test servers (+10000, +11000)
+PORT_SHIFT = port_shift(12000)  # clear of the other test servers (+10000, +11000)
 NO_COMPILER = "/nonexistent/g++"
 
 

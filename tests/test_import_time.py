@@ -27,11 +27,12 @@ sys.path.insert(0, str(REPO / "scripts"))
 import package  # noqa: E402
 import tsctl  # noqa: E402
 
+from tests.conftest import port_shift  # noqa: E402
 from tests.test_torchserve import describe  # noqa: E402
 
 HEAVY_PREFIXES = ("torch._dynamo", "torch._inductor", "transformers.pipelines")
 PRIVATE_PREFIX = "pt2-handlers-inductor-"  # compile_cache's private fallback directory
-PORT_SHIFT = 15000  # clear of the other test servers (+10000 ... +14000)
+PORT_SHIFT = port_shift(15000)  # clear of the other test servers (+10000 ... +14000)
 
 # The two ways a location is unusable, and what creating a directory there raises.
 A_FILE = "a regular file"

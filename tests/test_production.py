@@ -28,12 +28,13 @@ import hostile_inputs  # noqa: E402
 import soak  # noqa: E402
 import tsctl  # noqa: E402
 
+from tests.conftest import port_shift  # noqa: E402
 from tests.test_torchserve import (TEXTS, assert_close_embeddings, describe, manage, predict,  # noqa: E402
                                    stop_and_check_no_key_leaked)
 
 pytestmark = [pytest.mark.integration, pytest.mark.default_profile]
 
-PORT_SHIFT = 11000  # clear of the shipped ports and tests/test_torchserve.py's server (+10000)
+PORT_SHIFT = port_shift(11000)  # clear of the shipped ports and tests/test_torchserve.py's server (+10000)
 PRODUCTION = REPO / "model_configs" / "config.production.properties"
 REFUSED = "Token Authorization failed"
 

@@ -26,13 +26,13 @@ import tsctl  # noqa: E402
 from handlers import hardware, quantize  # noqa: E402
 from handlers.config import DType  # noqa: E402
 from handlers.ipex import probe_ipex  # noqa: E402
-from tests.conftest import SHARED_STORE_ENV  # noqa: E402
+from tests.conftest import SHARED_STORE_ENV, port_shift  # noqa: E402
 from tests.test_int8 import assert_raced  # noqa: E402
 from tests.test_precision import auto_served  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-PORT_SHIFT = 10000  # the shipped ports + 10000, so a server started by scripts/start.sh can keep running
+PORT_SHIFT = port_shift(10000)  # the shipped ports + 10000, so a server started by scripts/start.sh can keep running
 TEXTS = [f"sentence number {i} about {topic}" for i, topic in
          enumerate(["serving", "compilers", "cats", "the weather", "trains", "music", "databases", "tea"])]
 
