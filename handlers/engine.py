@@ -96,6 +96,7 @@ class Engine:
         self._guard: GuardedForward | None = None
         self.length_cost: length_groups.CostModel | None = None  # rows of mixed lengths run in groups by it
         self._look_again: length_groups.LookAgain | None = None  # without one at load: a sibling's, kept since
+        self._no_length_cost: length_groups.NoCostModel | None = None  # why there is none, for describe
 
     def load(self) -> None:
         started = time.perf_counter()
@@ -223,10 +224,13 @@ class Engine:
                       hardware.machine(self.device, self.threads.value))
             weights_key = result.weights_key or memory.fingerprint(tensors=reference.state_dict().items())
             key = length_groups.kept_key(batches, served, weights_key)
-        self.length_cost = length_groups.measure(result.forward, batches, synchronize=self._synchronize,
-                                                 kept=kept, key=key)
-        logger.info("length groups: %s", self.length_cost.describe() if self.length_cost else "no cost model")
-        if self.length_cost is None and kept is not None and key is not None:
+        measured = length_groups.measure(result.forward, batches, synchronize=self._synchronize, kept=kept, key=key)
+        if isinstance(measured, length_groups.CostModel):
+            self.length_cost = measured
+            logger.info("length groups: %s", measured.describe())
+            return
+        self._no_length_cost = measured
+        if kept is not None and key is not None:
             self._look_again = length_groups.LookAgain(kept, key)
 
     def _length_cost_now(self) -> length_groups.CostModel | None:
@@ -234,7 +238,7 @@ class Engine:
         if self.length_cost is None and self._look_again is not None:
             self.length_cost = self._look_again()
             if self.length_cost is not None:
-                self._look_again = None
+                self._look_again, self._no_length_cost = None, None
                 logger.info("length groups: the model another worker of this forward kept since: %s",
                             self.length_cost.describe())
         return self.length_cost
@@ -453,7 +457,7 @@ class Engine:
             "notes": self.notes,
             "attention": self.attention.describe() if self.attention else None,
             "shapes": self.shapes.describe(),
-            "length_groups": self.length_cost.describe() if self.length_cost else None,
+            "length_groups": self._describe_length_groups(),
             "compile_cache": {**self.cache.describe(), "use_at_load": self.cache_use} if self.cache else None,
             "runtime": self._guard.describe() if self._guard else None,
         }
@@ -469,6 +473,17 @@ class Engine:
             "batches": {"count": self.batches, "max_requests": self.max_batch_requests},
             "config_warnings": list(self.config.warnings),
         }
+
+    def _describe_length_groups(self) -> dict[str, Any] | None:
+        """The fitted cost model; else why there is none (every batch runs as one), where the task groups rows."""
+        if self.length_cost is not None:
+            return self.length_cost.describe()
+        if self._no_length_cost is None:
+            return None
+        said = self._no_length_cost.describe()
+        if self._look_again is not None:
+            said["looks_again_every_s"] = self._look_again.every_s  # for the model another worker of it keeps
+        return said
 
     def _describe_threads(self) -> dict[str, Any]:
         threads: dict[str, Any] = {"intra_op": self.threads.value, "reason": self.threads.reason,

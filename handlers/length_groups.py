@@ -82,6 +82,16 @@ class CostModel:
                 "pair_ms": round(self.pair_ms, 9), "worst_error": round(self.worst_error, 3)}
 
 
+@dataclass(frozen=True)
+class NoCostModel:
+    """Why a forward has no cost model: then every batch runs as one padded forward."""
+
+    reason: str
+
+    def describe(self) -> dict[str, Any]:
+        return {"none": self.reason}
+
+
 def groups(lengths: Sequence[int], most_rows: int, cost: Callable[[int, int], float]) -> list[list[int]]:
     """Row indices in groups of at most ``most_rows`` rows, each group run at its longest length: rows sorted by
     length, cut where the summed ``cost(rows, longest)`` of the groups is least (dynamic programming over the cuts).
@@ -143,14 +153,14 @@ def kept_key(batches: Sequence[Mapping[str, torch.Tensor]], served: object, weig
 
 def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
             synchronize: Callable[[], None] = lambda: None, patience_s: float = PATIENCE_S,
-            kept: Memory | None = None, key: str | None = None) -> CostModel | None:
+            kept: Memory | None = None, key: str | None = None) -> CostModel | NoCostModel:
     """The cost model of ``forward`` (already warm at these shapes): its fastest of ``calls`` at each batch of named
     [rows, seq] tensors, timed as the ladder's races are (``handlers.race``: run again while other processes keep
     this worker waiting, for up to ``patience_s``), and fitted. A model an earlier load kept in ``kept`` under
-    ``key`` (``kept_key``) is read instead; a new one is kept there. None where the batches are not such mappings,
-    the machine stayed busy, or the times do not fit the model (``MAX_FIT_ERROR``): then every batch runs as one."""
+    ``key`` (``kept_key``) is read instead; a new one is kept there. No model, and why, where the batches are not
+    such mappings, the machine stayed busy, or the times do not fit the model (``MAX_FIT_ERROR``)."""
     if not batches or not all(isinstance(batch, Mapping) and batch for batch in batches):
-        return None
+        return NoCostModel("the warmup batches are not named tensors")
     if kept is not None and key is not None:
         earlier = _recalled(kept, key)
         if earlier is not None:
@@ -163,19 +173,23 @@ def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
     try:
         raced = race.run_race(list(batches), [None], call, rounds=calls, patience_s=patience_s)
     except Exception as exc:  # noqa: BLE001 -- grouping is only a speed-up: a forward that fails here never fails a load
-        logger.warning("length groups: no cost model, timing the forward failed: %s: %s", type(exc).__name__, exc)
-        return None
+        return _none(f"timing the forward failed: {type(exc).__name__}: {exc}", logging.WARNING)
     if raced.disturbed:
-        logger.info("length groups: no cost model, the machine stayed busy while timing it (%s)", raced.describe())
-        return None
+        return _none(f"the machine stayed busy while timing it ({raced.describe()})")
     model = CostModel.fit([(*next(iter(batch.values())).shape[:2], ms) for batch, ms in zip(batches, raced.ms,
                                                                                             strict=True)])
-    if model is not None and model.worst_error > MAX_FIT_ERROR:
-        logger.info("length groups: no cost model, the times do not fit one (%s)", model.describe())
-        return None
-    if model is not None and kept is not None and key is not None:
+    if model is None:
+        return _none(f"fewer than {MIN_SHAPES} warmup shapes, or a forward timed at 0 ms, to fit one to")
+    if model.worst_error > MAX_FIT_ERROR:
+        return _none(f"the times do not fit one ({model.describe()})")
+    if kept is not None and key is not None:
         kept.keep(key, dataclasses.asdict(model))
     return model
+
+
+def _none(reason: str, level: int = logging.INFO) -> NoCostModel:
+    logger.log(level, "length groups: no cost model, %s", reason)
+    return NoCostModel(reason)
 
 
 @dataclass

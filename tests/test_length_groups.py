@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from handlers.length_groups import (MAX_FIT_ERROR, CostModel, LookAgain, groups, kept_key, measure, row_groups,
-                                    take_groups)
+from handlers.length_groups import (MAX_FIT_ERROR, CostModel, LookAgain, NoCostModel, groups, kept_key, measure,
+                                    row_groups, take_groups)
 from tests.test_embeddings import make_engine
 
 
@@ -60,30 +60,35 @@ def test_measure_times_each_shape_and_refuses_what_it_cannot_time():
 
     shapes = [(1, 16), (1, 64), (4, 16), (4, 64)]
     model = measure(forward, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes], calls=2)
-    assert model is not None and calls == shapes * 2  # the shapes take turns, as a race's forwards do
-    assert measure(forward, ["a task's own batch"]) is None
+    assert isinstance(model, CostModel) and calls == shapes * 2  # the shapes take turns, as a race's forwards do
+    assert measure(forward, ["a task's own batch"]) == NoCostModel("the warmup batches are not named tensors")
 
 
-def test_times_that_fit_no_cost_model_give_none(monkeypatch):
+def test_times_that_fit_no_cost_model_give_none_and_say_why(monkeypatch):
     """A forward timed while something else ran (here: times that grow and shrink at random) fits no model: every
-    batch then runs as one, as before."""
+    batch then runs as one, as before, and describe says why."""
     from handlers import race
 
     times = iter([50.0, 2.0, 90.0, 3.0])
     monkeypatch.setattr(race, "run_race", lambda forwards, *args, **kwargs: race.Race(
         [next(times) for _ in forwards], 1, 0.0, 0.0))
     shapes = [(1, 16), (1, 64), (4, 16), (4, 64)]
-    assert measure(lambda x: None, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes]) is None
+    none = measure(lambda x: None, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes])
+    assert isinstance(none, NoCostModel) and none.reason.startswith("the times do not fit one ({'fixed_ms': "), none
     monkeypatch.setattr(race, "run_race", lambda forwards, *args, **kwargs: race.Race([1.0] * len(forwards), 3,
                                                                                       0.5, 0.5))
-    assert measure(lambda x: None, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes]) is None  # stayed busy
+    busy = measure(lambda x: None, [{"x": torch.zeros(rows, seq)} for rows, seq in shapes])
+    assert busy == NoCostModel("the machine stayed busy while timing it (3 tries; other processes used 50% of this "
+                               "worker's cores and kept it waiting for a CPU 50% of the quietest try, so the times "
+                               "are unreliable)"), busy
 
 
 def test_a_forward_that_fails_while_timed_gives_no_model_and_no_failed_load():
     def fails(x):
         raise RuntimeError("a kernel that breaks at this shape")
 
-    assert measure(fails, [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16)]]) is None
+    none = measure(fails, [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16)]])
+    assert none == NoCostModel("timing the forward failed: RuntimeError: a kernel that breaks at this shape"), none
 
 
 def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
@@ -105,10 +110,10 @@ def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
     # (A try the machine disturbed is run again: at least 3 calls per shape.)
     first = measure(forward, batches, calls=3, kept=kept, key=int8)
     timed = len(calls)
-    assert first is not None and timed >= 12 and len(list(tmp_path.glob("*.json"))) == 1
+    assert isinstance(first, CostModel) and timed >= 12 and len(list(tmp_path.glob("*.json"))) == 1
     assert measure(forward, batches, kept=kept, key=int8) == first
     assert len(calls) == timed  # read, not timed
-    assert measure(forward, batches, calls=3, kept=kept, key=fp32) is not None
+    assert isinstance(measure(forward, batches, calls=3, kept=kept, key=fp32), CostModel)
     assert len(calls) >= timed + 12 and len(list(tmp_path.glob("*.json"))) == 2
 
 
@@ -123,7 +128,7 @@ def test_a_worker_without_a_model_looks_again_while_it_serves_for_one_a_sibling_
     look = LookAgain(kept, key, every_s=30.0, clock=lambda: now[0])
     assert look() is None  # nothing kept yet
     sibling = measure(lambda x: sleep_like_a_model(x), batches, calls=1, kept=kept, key=key)
-    assert sibling is not None
+    assert isinstance(sibling, CostModel)
     now[0] += 29.0
     assert look() is None  # not due yet: no read
     now[0] += 1.0
@@ -182,16 +187,20 @@ def test_the_engine_takes_up_a_model_a_sibling_kept_since_load(grouping_engine, 
     texts = ["short", "a much longer text about serving embedding models with compile on", "tiny", "x y"]
     try:
         engine.length_cost, engine._look_again = None, LookAgain(kept, "a sibling's key", every_s=0.0)
+        engine._no_length_cost = NoCostModel("the machine stayed busy while timing it")
         engine.predict([{"inputs": texts}])
         padded = engine.last_batch.run_tokens
-        assert engine.length_cost is None and engine.describe()["optimization"]["length_groups"] is None
+        assert engine.length_cost is None
+        assert engine.describe()["optimization"]["length_groups"] == {
+            "none": "the machine stayed busy while timing it", "looks_again_every_s": 0.0}
         everyone_alone = CostModel(0.0, 1.0, 0.0)
         kept.keep("a sibling's key", dataclasses.asdict(everyone_alone))
         engine.predict([{"inputs": texts}])
         assert engine.length_cost == everyone_alone and engine._look_again is None  # found: no more looks
+        assert engine.describe()["optimization"]["length_groups"] == everyone_alone.describe()
         assert engine.last_batch.run_tokens < padded
     finally:
-        engine.length_cost, engine._look_again = fitted, None
+        engine.length_cost, engine._look_again, engine._no_length_cost = fitted, None, None
 
 
 def test_each_group_runs_in_fresh_tensors_with_the_strides_the_graph_was_traced_with():
