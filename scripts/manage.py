@@ -131,7 +131,7 @@ def format_description(entries: list[dict[str, Any]]) -> str:
                      f"maxBatchDelay {entry.get('maxBatchDelay')} ms, workers {entry.get('minWorkers')}.."
                      f"{entry.get('maxWorkers')}")
         for worker in entry.get("workers", []):
-            lines.append(f"  worker {worker['id']}: pid {worker['pid']} {worker['status']}")
+            lines.append(f"  worker {worker['id']}: pid {worker['pid']} {tsctl.worker_status(worker)}")
         lines += _optimization_lines(meta.get("optimization") or {})
         if meta.get("failure"):
             lines.append(f"  failure: {meta['failure']}")

@@ -177,6 +177,13 @@ def workers(server: Server, name: str) -> list[dict]:
     return [w for entry in _versions(server, name) for w in entry.get("workers", [])]
 
 
+def worker_status(worker: dict) -> str:
+    """A worker's status for a person. TorchServe 0.12 lists every worker that is not serving as UNLOADING, a loading
+    one too (its describe knows READY and UNLOADING only), which reads as if the worker were going away."""
+    status = worker.get("status", "?")
+    return "not READY (loading, or stopping: TorchServe says UNLOADING for both)" if status == "UNLOADING" else status
+
+
 def min_workers(server: Server, name: str) -> int:
     return max((entry.get("minWorkers", 1) for entry in _versions(server, name)), default=1)
 
@@ -190,10 +197,10 @@ def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> Non
     while True:
         elapsed = time.monotonic() - started
         try:
-            states = [w.get("status") for w in workers(server, name)]
+            listed = workers(server, name)
         except OSError:
-            states = []
-        if states.count("READY") >= count:
+            listed = []
+        if sum(w.get("status") == "READY" for w in listed) >= count:
             print(f"[start] {name}: {count} worker(s) READY after {elapsed:.0f}s", flush=True)
             return
         if exited := server_exited(server.run_dir):  # e.g. a port taken: the workers would never come
@@ -203,12 +210,17 @@ def wait_ready(server: Server, name: str, timeout: float, count: int = 1) -> Non
             raise RuntimeError(f"{name} failed to load: {failure}. TorchServe keeps retrying it with backoff; fix the "
                                f"archive, re-package, and restart (logs: {server.run_dir}/logs)")
         if elapsed > timeout:
-            raise TimeoutError(f"{name} not READY after {timeout:.0f}s (workers: {states}); see {server.run_dir}/logs")
+            raise TimeoutError(f"{name} not READY after {timeout:.0f}s (workers: {_statuses(listed)}); "
+                               f"see {server.run_dir}/logs")
         if elapsed - last_print >= 10:
-            print(f"[start] {name}: waiting for READY ({elapsed:.0f}s; workers {states or 'starting'})"
+            print(f"[start] {name}: waiting for READY ({elapsed:.0f}s; workers: {_statuses(listed) or 'starting'})"
                   f"{last_rung_line(log, log_offset)}", flush=True)
             last_print = elapsed
         time.sleep(1)
+
+
+def _statuses(listed: list[dict]) -> str:
+    return ", ".join("READY" if w.get("status") == "READY" else "not READY" for w in listed)
 
 
 def server_pid(run_dir: Path) -> int | None:

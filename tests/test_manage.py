@@ -74,6 +74,8 @@ def test_describe_does_not_wait_for_a_loading_worker():
     shown = manage.format_description(manage.describe(api, "minilm"))
     assert api.calls == [("GET", "/models/minilm")]
     assert "pid 101 STARTED" in shown and "no worker answered for it -- loading, restarting or busy" in shown
+    # TorchServe's word for a loading worker reads as if it were going away
+    assert "pid 100 not READY (loading, or stopping: TorchServe says UNLOADING for both)" in shown
 
 
 def test_describe_shows_the_workers_when_the_worker_asked_dies(capsys):
