@@ -144,7 +144,7 @@ def grouping_engine(tiny_bert_dir):
     return engine
 
 
-@pytest.mark.default_profile  # the fit needs quiet moments, which the ipex stage (nice 19 beside the default one,
+@pytest.mark.default_profile  # the fit needs quiet moments, which the ipex stage (niced beside the default one,
 # scripts/test.sh) did not get in 300 s once; the fit does not depend on the torch version
 def test_the_engine_fits_its_cost_model_at_load_and_describes_it(minilm_dir):
     # MiniLM up to 4x128 tokens: its forward takes 8-60 ms, so tokens, not timer noise, set the times. A 2-layer
