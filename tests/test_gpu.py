@@ -6,7 +6,10 @@ int8 left out, visibly. Run on a GPU machine (with a CUDA build of torch) as:
 
 Last run 2026-11-27 (stop 44) on an NVIDIA H100 (torch 2.11.0+cu130, transformers 5.24.0): 9 passed in 352 s;
 inductor recorded 6 CUDA graphs for the bucketed engine and skipped none, and every shipped YAML's graphs kept SDPA
-(the fused attention kernel is CPU code). Its first run (stop 40) found the token-classification pipeline moving a
+(the fused attention kernel is CPU code). Again 2026-11-30 (stop 59) on an NVIDIA H200 (torch 2.11.0+cu130,
+transformers 5.24.0, MiniLM's weights carried as fp16 and widened back to fp32): 9 passed in 329 s, 6 CUDA graphs, no
+skips; each shipped YAML served fp32 compile (bf16 slower for MiniLM's embeddings and classification heads, off the
+gate for the random NER and QA heads). Its first run (stop 40) found the token-classification pipeline moving a
 CPU worker's model to the GPU (fixed; a CPU-side test of it is in tests/test_token_classification.py).
 
 Deselected (not skipped) where there is no CUDA device: see tests/conftest.py.
