@@ -288,6 +288,7 @@ class Engine:
                     stats.threads = threads
                     clock.lap("cores")
                     outputs = self._task.run(self, encoded, stream)
+                    self._synchronize()  # a GPU runs it asynchronously: its time is the forward's, not postprocess's
             except InferenceError:
                 raise
             except Exception as exc:

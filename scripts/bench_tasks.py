@@ -14,6 +14,9 @@ first token and decode tokens/s). "ours" is the shipped engine's time less its f
 model): parsing, tokenizing and building the answers (issue 19's "handler's own time", per task).
 
     .venv/bin/python scripts/bench_tasks.py [--tasks embeddings text-classification ...] [--rounds 30]
+                                            [--device cuda]
+
+With ``--device cuda`` both engines run on the first GPU (the shipped YAMLs' ``mode: reduce-overhead``: CUDA graphs).
 
 Models: the embedded all-MiniLM-L6-v2 for embeddings, scripts/make_test_models.py's seeded heads on it for the
 others (built if missing). Compiles use the inductor cache in --cache-dir (default: a new one, so cold).
@@ -78,7 +81,7 @@ def model_dir(task: str, model_dirs: Path) -> Path:
     return make_test_models.build(model_name, model_dirs)
 
 
-def load_engine(task: str, eager: bool, model_dirs: Path) -> tuple[Any, float]:
+def load_engine(task: str, eager: bool, model_dirs: Path, device: str = "cpu") -> tuple[Any, float]:
     import torch
     import yaml
 
@@ -90,7 +93,7 @@ def load_engine(task: str, eager: bool, model_dirs: Path) -> tuple[Any, float]:
     if eager:
         raw["pt2_handlers"]["ladder"] = ["eager"]
     started = time.perf_counter()
-    engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), f"{task}-{'eager' if eager else 'shipped'}")
+    engine = Engine(load_config(raw), Path("/"), torch.device(device), f"{task}-{'eager' if eager else 'shipped'}")
     engine.load()
     return engine, time.perf_counter() - started
 
@@ -102,11 +105,11 @@ def timed(engine: Any, bodies: list[Any]) -> tuple[float, list[Any]]:
 
 
 def bench_task(task: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    shipped, shipped_load = load_engine(task, eager=False, model_dirs=args.models)
-    eager, eager_load = load_engine(task, eager=True, model_dirs=args.models)
+    shipped, shipped_load = load_engine(task, eager=False, model_dirs=args.models, device=args.device)
+    eager, eager_load = load_engine(task, eager=True, model_dirs=args.models, device=args.device)
     active = shipped.active_rung
-    log(f"{task}: shipped READY in {shipped_load:.1f}s on rung {active} ({shipped.dtype.value.value}); "
-        f"eager in {eager_load:.1f}s")
+    log(f"{task} on {args.device}: shipped READY in {shipped_load:.1f}s on rung {active} "
+        f"({shipped.dtype.value.value}); eager ({eager.dtype.value.value}) in {eager_load:.1f}s")
     rows = []
     for workload, bodies in workloads(task).items():
         check_agreement(task, timed(shipped, bodies)[1], timed(eager, bodies)[1])
@@ -121,7 +124,8 @@ def bench_task(task: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         speedup = stats["eager"]["p50"] / stats["shipped"]["p50"]
         log(f"  {workload}: eager p50 {stats['eager']['p50']:.2f} ms, shipped p50 {stats['shipped']['p50']:.2f} ms "
             f"({speedup:.2f}x), of which ours {stats['ours']['p50']:.2f} ms")
-        rows.append({"task": task, "workload": workload, "active_rung": active, "dtype": shipped.dtype.value.value,
+        rows.append({"task": task, "workload": workload, "device": args.device, "active_rung": active,
+                     "dtype": shipped.dtype.value.value, "eager_dtype": eager.dtype.value.value,
                      "eager_p50_ms": round(stats["eager"]["p50"], 3), "eager_p90_ms": round(stats["eager"]["p90"], 3),
                      "shipped_p50_ms": round(stats["shipped"]["p50"], 3),
                      "shipped_p90_ms": round(stats["shipped"]["p90"], 3), "speedup_p50": round(speedup, 3),
@@ -164,10 +168,17 @@ def report(rows: list[dict[str, Any]], out: Path, header: dict[str, Any]) -> str
     write_json(out / "tasks.json", {"header": header, "rows": rows})
     (out / "tasks.md").write_text(f"`{header['command']}`\n\n{table}\n")
     categories = [f"{r['task']}\n{r['workload']}" for r in rows]
-    write_plot(out / "tasks.png", "Per task through the engine: eager fp32 vs the shipped ladder (p50 ms)",
+    title = f"Per task through the engine on {rows[0]['device']}: eager vs the shipped ladder (p50 ms)"
+    write_plot(out / "tasks.png", title,
                categories, [("p50 ms", {"eager": [r["eager_p50_ms"] for r in rows],
                                         "shipped": [r["shipped_p50_ms"] for r in rows]})])
     return table
+
+
+def gpu_name(device: str) -> dict[str, str]:
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name(0), "torch_cuda": str(torch.version.cuda)} if device == "cuda" else {}
 
 
 def main() -> None:
@@ -178,12 +189,13 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=REPO / ".cache" / "test-models")
     parser.add_argument("--cache-dir", type=Path, help="inductor cache dir (default: a new empty one = cold)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "tasks")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both engines run")
     args = parser.parse_args()
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-tasks-inductor-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # before torch imports inductor
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(REPO))
-    header = run_header(args, {"inductor_cache": str(cache)})
+    header = run_header(args, {"inductor_cache": str(cache), **gpu_name(args.device)})
     rows = []
     for task in args.tasks:
         rows += bench_task(task, args)

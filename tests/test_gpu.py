@@ -9,8 +9,9 @@ inductor recorded 6 CUDA graphs for the bucketed engine and skipped none, and ev
 (the fused attention kernel is CPU code). Again 2026-11-30 (stop 59) on an NVIDIA H200 (torch 2.11.0+cu130,
 transformers 5.24.0, MiniLM's weights carried as fp16 and widened back to fp32): 9 passed in 329 s, 6 CUDA graphs, no
 skips; each shipped YAML served fp32 compile (bf16 slower for MiniLM's embeddings and classification heads, off the
-gate for the random NER and QA heads). Its first run (stop 40) found the token-classification pipeline moving a
-CPU worker's model to the GPU (fixed; a CPU-side test of it is in tests/test_token_classification.py).
+gate for the random NER and QA heads); the forward-stage test added after it passed on its own there. Its first
+run (stop 40) found the token-classification pipeline moving a CPU worker's model to the GPU (fixed; a CPU-side test
+of it is in tests/test_token_classification.py).
 
 Deselected (not skipped) where there is no CUDA device: see tests/conftest.py.
 """
@@ -186,6 +187,25 @@ def test_each_shipped_yaml_compiles_on_a_gpu_and_answers_as_fp32_eager_on_the_cp
     assert_same_answer(got, want)
     runtime = gpu.describe()["optimization"]["runtime"]
     assert (runtime["runtime_failures"], runtime["compiles_after_ready"]) == (0, 0), runtime
+
+
+def test_the_forward_stage_holds_the_gpus_work_not_postprocess(minilm_dir):
+    """A GPU runs the forward asynchronously, and a replayed CUDA graph returns as soon as it is launched: unless the
+    engine waits for the GPU before timing the forward stage, whatever path the batch takes, the GPU's work can land
+    in postprocess (where the answers are copied to the host), and the per-stage times (describe, the metrics) blame
+    the handler for the model. (Stop 59, H200: forward 3.09 ms, postprocess 0.21 ms. Not run without the wait: a
+    batch split into length groups waited anyway, on the index copied to the GPU to put its rows back in order.)"""
+    torch._dynamo.reset()
+    engine = shipped_engine("embeddings", minilm_dir, CUDA)
+    body = {"inputs": [" ".join(["serving compiled models on a GPU"] * 40)] * 8}  # 8 texts of 256 tokens
+    stages = []
+    for _ in range(7):
+        engine.predict([body])
+        stages.append(dict(engine.last_batch.milliseconds))
+    forward = sorted(stage["forward"] for stage in stages)[3]
+    postprocess = sorted(stage["postprocess"] for stage in stages)[3]
+    print(f"median forward {forward:.3f} ms, postprocess {postprocess:.3f} ms")
+    assert forward > 3 * postprocess, stages
 
 
 def test_int8_asked_of_a_gpu_worker_is_left_out_and_said_so(minilm_dir):
