@@ -193,8 +193,7 @@ def test_the_forward_stage_holds_the_gpus_work_not_postprocess(minilm_dir):
     """A GPU runs the forward asynchronously, and a replayed CUDA graph returns as soon as it is launched: unless the
     engine waits for the GPU before timing the forward stage, whatever path the batch takes, the GPU's work can land
     in postprocess (where the answers are copied to the host), and the per-stage times (describe, the metrics) blame
-    the handler for the model. (Stop 59, H200: forward 3.09 ms, postprocess 0.21 ms. Not run without the wait: a
-    batch split into length groups waited anyway, on the index copied to the GPU to put its rows back in order.)"""
+    the handler for the model. (Stop 59, H200: forward 3.09 ms, postprocess 0.21 ms; not run without the wait.)"""
     torch._dynamo.reset()
     engine = shipped_engine("embeddings", minilm_dir, CUDA)
     body = {"inputs": [" ".join(["serving compiled models on a GPU"] * 40)] * 8}  # 8 texts of 256 tokens
