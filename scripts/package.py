@@ -28,6 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "handlers"
 ENTRY_FILE = "torchserve_handler.py"
 DEFAULT_CONFIG = REPO / "model_configs" / "minilm-embeddings.yaml"
+# Stored, not deflated: safetensors weights barely compress (MiniLM's archive 92.1 MB stored, 83.7 MB deflated) and
+# deflating them was 5 s of a 5.5 s build on a 2-core CPU (docs/performance.md, stop 59). TorchServe reads either.
+DEFAULT_FORMAT = "zip-store"
+FORMATS = ("zip-store", "default", "no-archive")  # torch-model-archiver's; "default" deflates
 # Pickled weights are never shipped: the handler loads safetensors only.
 EXCLUDED_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".h5", ".msgpack", ".onnx"}
 
@@ -53,8 +57,9 @@ def stage(model_dir: Path, staging: Path, extra_files: tuple[Path, ...] = ()) ->
 
 
 def archiver_command(name: str, version: str, staging: Path, config: Path, export_path: Path,
-                     archive_format: str = "default") -> list[str]:
-    """``archive_format``: torch-model-archiver's; "no-archive" writes a directory TorchServe serves as it is."""
+                     archive_format: str = DEFAULT_FORMAT) -> list[str]:
+    """``archive_format``: torch-model-archiver's (FORMATS); "no-archive" writes a directory TorchServe serves as it
+    is."""
     archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
     return [
         archiver,
@@ -102,7 +107,7 @@ def check_weights(model_dir: Path) -> None:
 
 
 def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",
-          extra_files: tuple[Path, ...] = (), archive_format: str = "default") -> Path:
+          extra_files: tuple[Path, ...] = (), archive_format: str = DEFAULT_FORMAT) -> Path:
     check_name(name)
     check_weights(model_dir)
     check_config(config, extra_files)
@@ -131,9 +136,12 @@ def main() -> None:
     parser.add_argument("--version", default="1.0")
     parser.add_argument("--extra-file", type=Path, action="append", default=[],
                         help="a file to put at the archive root, e.g. a module with a custom compile backend")
+    parser.add_argument("--archive-format", choices=FORMATS, default=DEFAULT_FORMAT,
+                        help="zip-store: a .mar whose files are stored (the weights barely compress); default: "
+                             "deflated; no-archive: a directory (default: %(default)s)")
     args = parser.parse_args()
     build(args.name, (args.model_dir or default_model_dir()).resolve(), args.config.resolve(),
-          args.export_path.resolve(), args.version, tuple(p.resolve() for p in args.extra_file))
+          args.export_path.resolve(), args.version, tuple(p.resolve() for p in args.extra_file), args.archive_format)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,26 @@ def test_package_refuses_a_name_that_torchserve_routes_to_its_token_api(tmp_path
     assert not list(tmp_path.iterdir())
 
 
+def test_package_stores_the_weights_unless_asked_to_deflate_them(tmp_path, tiny_bert_dir):
+    """A .mar whose files are stored (safetensors weights barely compress, and deflating them is most of a build);
+    ``--archive-format default`` deflates, as torch-model-archiver does by default."""
+    import zipfile
+
+    import package
+
+    config = REPO / "model_configs" / "minilm-embeddings.yaml"
+    for archive_format, compression in (("zip-store", zipfile.ZIP_STORED), ("default", zipfile.ZIP_DEFLATED)):
+        command = [sys.executable, str(REPO / "scripts" / "package.py"), "--name", "tiny", "--model-dir",
+                   str(tiny_bert_dir), "--config", str(config), "--export-path", str(tmp_path / archive_format)]
+        if archive_format != package.DEFAULT_FORMAT:
+            command += ["--archive-format", archive_format]
+        subprocess.run(command, check=True, capture_output=True, timeout=300)
+        with zipfile.ZipFile(tmp_path / archive_format / "tiny.mar") as mar:
+            weights = mar.getinfo("model/model.safetensors")
+            assert weights.compress_type == compression, (archive_format, weights)
+            assert {"torchserve_handler.py", "handlers/engine.py", "MAR-INF/MANIFEST.json"} <= set(mar.namelist())
+
+
 def test_package_refuses_a_model_with_only_pickled_weights(tmp_path, tiny_bert_dir):
     import shutil
 
