@@ -3,7 +3,8 @@
 #   0. ruff, and the docs site built with warnings as errors (mkdocs build --strict)
 #   1. default (.venv: torch 2.13 CPU): unit + real TorchServe tests (the docs' examples among them), and the IPEX 2.8
 #      wheel beside torch 2.13
-#   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the suite but the default_profile tests, plus the IPEX rung for real.
+#   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the suite but the default_profile tests, plus the IPEX rung for real,
+#      and the ipex_stage tests (run there, not in stage 1, to even out the two stages).
 #      It runs beside stage 1, in the background: its venv is built first, then its tests run (output in
 #      .cache/test-ipex.log, shown when stage 1 is done)
 # Each archive is built once and served in both. Arguments go to both pytest runs.
@@ -16,6 +17,9 @@ cd "$(dirname "$0")/.."
 started=$(date +%s)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PROFILES=${PT2_PROFILES:-default ipex}
+# Which stages run (tests/conftest.py): the ipex_stage tests, TorchServe behaviour torch's version does not change, run
+# in the ipex stage when there is one, to even out the two stages, and in the default stage when it runs alone.
+export PT2_STAGES=$PROFILES
 cache_suffix=
 hold_kernels_to_avx2() { export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; }
 case ${PT2_TEST_ISA:-} in

@@ -20,6 +20,7 @@ IPEX_WHEEL_ENV = "PT2_IPEX_WHEEL_DIR"  # the IPEX 2.8 wheel, unpacked, for the v
 QA_REFERENCE_ENV = "PT2_QA_REFERENCE_DIR"  # transformers 4.57.1, whose question-answering pipeline is the reference
 PROFILE_ENV = "PT2_PROFILE"  # which profile this venv is, said by scripts/test.sh: one of PROFILES
 PROFILES = ("default", "ipex")
+STAGES_ENV = "PT2_STAGES"  # the profiles scripts/test.sh runs, as stages side by side ("default ipex")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
@@ -54,9 +55,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
     gpu needs CUDA; fused_kernel needs an AVX-512 CPU; ipex needs the ipex profile; ipex_mismatch needs the default
     profile and the IPEX wheel unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv;
-    default_profile runs in the default profile only; torchao needs torchao, which the default profile installs and
-    the ipex profile (torch 2.8) has not. scripts/test.sh provides all but the first two, says which profile each stage
-    is (PT2_PROFILE) and runs both, so only gpu, and fused_kernel on an AVX2-only CPU, stay unrun."""
+    default_profile runs in the default profile only; ipex_stage runs in the ipex stage where scripts/test.sh runs one
+    beside the default stage (PT2_STAGES), else in the default profile; torchao needs torchao, which the default
+    profile installs and the ipex profile (torch 2.8) has not. scripts/test.sh provides all but the first two, says
+    which profile each stage is (PT2_PROFILE) and runs both, so only gpu, and fused_kernel on an AVX2-only CPU, stay
+    unrun."""
     for marker, reason in unavailable_reasons(declared_profile()).items():
         chosen = [item for item in items if item.get_closest_marker(marker)]
         if reason is None or not chosen:
@@ -80,7 +83,17 @@ def unavailable_reasons(profile: str | None) -> dict[str, str | None]:
     qa_reference = None if os.environ.get(QA_REFERENCE_ENV) else (
         f"set {QA_REFERENCE_ENV} to transformers 4.57.1 (scripts/test.sh does: setup.sh --qa-reference)")
     return {"gpu": gpu, "ipex": ipex, "ipex_mismatch": mismatch, "qa_reference": qa_reference,
-            "default_profile": default_only, "torchao": torchao_reason(profile), "fused_kernel": fused_kernel_reason()}
+            "default_profile": default_only, "ipex_stage": ipex_stage_reason(profile),
+            "torchao": torchao_reason(profile), "fused_kernel": fused_kernel_reason()}
+
+
+def ipex_stage_reason(profile: str | None) -> str | None:
+    """Why the ipex_stage tests do not run here: they run once, and the ipex stage beside this one runs them. They
+    test TorchServe behaviour torch's version does not change, and the default stage is the longer one."""
+    if profile == "default" and "ipex" in os.environ.get(STAGES_ENV, "").split():
+        return (f"the ipex stage beside this one runs them ({STAGES_ENV}={os.environ[STAGES_ENV]!r}): torch's version "
+                "does not change what they test, and the default stage is the longer one")
+    return None
 
 
 def fused_kernel_reason() -> str | None:

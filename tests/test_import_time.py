@@ -126,7 +126,7 @@ def eager_config(task: str, out: Path, compile_cache: Path | None) -> Path:
 
 
 @pytest.mark.integration
-@pytest.mark.default_profile
+@pytest.mark.ipex_stage  # once, in the ipex stage when scripts/test.sh runs one (see tests/conftest.py)
 @pytest.mark.parametrize("env_kind", list(SERVERS))
 def test_every_task_comes_up_on_a_private_cache_when_the_location_is_unusable(tmp_path, env_kind, minilm_dir,
                                                                                task_model_dirs):
