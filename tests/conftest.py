@@ -213,3 +213,13 @@ def reference(minilm_dir):
 
     model = SentenceTransformer(str(minilm_dir), device="cpu")
     return lambda texts: model.encode(texts, normalize_embeddings=True, convert_to_tensor=True).cpu()
+
+
+@pytest.fixture
+def quiet_load_counters(monkeypatch):
+    """The kernel's run-queue counter says nothing, as on a kernel without it, so a race or timing (handlers.race)
+    counts its first try as quiet. For tests of what follows a quiet timing, not of how a busy machine is told:
+    beside the suite's other stage, niced, a try can stay busy through a whole patience (CPU A, stop 60)."""
+    from handlers import race
+
+    monkeypatch.setattr(race, "runqueue_wait_s", lambda: None)

@@ -550,15 +550,13 @@ def test_workers_of_one_model_follow_the_race_an_earlier_load_kept(batches, tmp_
 
 
 @pytest.mark.torchao
-def test_int8_that_won_its_race_before_serves_without_compiling_its_rival(net, batches, tmp_path, monkeypatch):
+def test_int8_that_won_its_race_before_serves_without_compiling_its_rival(net, batches, tmp_path,
+                                                                           quiet_load_counters):
     """The next worker of a model whose int8 won its race on this machine builds int8 and serves it: the rival's
     compile would only lose (a warm worker's seconds). describe keeps both times, the rival "not built"."""
-    memory = Memory(tmp_path / "memory")
     # The first race must count as quiet to be followed (a busy one is raced again: test_workers_of_one_model_follow_
-    # the_race_an_earlier_load_kept).
-    # Beside the suite's niced ipex stage on an AVX-512 EPYC none was in 30 s once, so here the kernel's counters
-    # say nothing, as where it has none: the fp32 rival's 10 ms sleep loses on any machine.
-    monkeypatch.setattr(race, "runqueue_wait_s", lambda: None)
+    # the_race_an_earlier_load_kept); the fp32 rival's 10 ms sleep loses on any machine.
+    memory = Memory(tmp_path / "memory")
 
     class Counted(SlowIn):
         built: list = []

@@ -53,11 +53,8 @@ def sleep_like_a_model(x):
     time.sleep((2 + 0.05 * x.shape[0] * x.shape[1]) / 1000)
 
 
-def test_measure_times_each_shape_and_refuses_what_it_cannot_time(monkeypatch):
-    # One try, so that its calls can be counted: the kernel's counters say nothing, as where it has none (in the
-    # ipex stage, niced beside the default one, a busy machine was timed again once, and the count doubled).
-    monkeypatch.setattr(length_groups.race, "runqueue_wait_s", lambda: None)
-    calls = []
+def test_measure_times_each_shape_and_refuses_what_it_cannot_time(quiet_load_counters):
+    calls = []  # of one try: a busy machine's second try doubled them once, in the niced ipex stage
 
     def forward(x):
         calls.append(tuple(x.shape))
