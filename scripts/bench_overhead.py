@@ -14,7 +14,11 @@ Handler's own time = handle() - forward. TorchServe's share = the client's p50 -
 batching window, the socket to the worker, the worker's protocol code).
 
     .venv/bin/python scripts/bench_overhead.py [--config model_configs/minilm-embeddings.yaml] [--requests 300]
-        [--words 8 16] [--skip-torchserve]
+        [--words 8 16] [--skip-torchserve] [--idle-ms 100]
+
+``--idle-ms`` sleeps that long before each timed request, in process and through TorchServe: a client whose
+requests come seldom, so that the worker's cores go idle between them (its OpenMP threads asleep, and under a
+hypervisor its idle virtual CPUs descheduled), against the default back-to-back requests, which keep them awake.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--words", type=int, nargs=2, default=[8, 16], metavar=("MIN", "MAX"),
                         help="words per text (one token each)")
     parser.add_argument("--skip-torchserve", action="store_true", help="the in-process part only")
+    parser.add_argument("--idle-ms", type=float, default=0.0,
+                        help="idle time before each timed request (0: back to back)")
     parser.add_argument("--port-shift", type=int, default=30000)
     parser.add_argument("--server-set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="lines added to TorchServe's config.properties (e.g. async_logging=true)")
@@ -101,6 +107,7 @@ def in_process(args: argparse.Namespace, bodies: list[bytes]) -> dict[str, list[
             context.request_ids = {0: f"r{index}"}
             context.request_processor = [RequestProcessor({})]
             context.metrics.request_ids = context.request_ids
+            idle(args, index)
             started = time.perf_counter()
             [answer] = handler.handle([{"body": bytearray(body)}], context)
             took = (time.perf_counter() - started) * 1000
@@ -114,6 +121,12 @@ def in_process(args: argparse.Namespace, bodies: list[bytes]) -> dict[str, list[
             samples["adapter"].append(took - sum(stages.get(stage, 0.0) for stage in STAGES))
             samples["ours"].append(took - stages.get("forward", 0.0))
         return samples
+
+
+def idle(args: argparse.Namespace, index: int) -> None:
+    """``--idle-ms`` of sleep before a timed request (the untimed warmup ones go back to back)."""
+    if args.idle_ms and index >= args.warmup:
+        time.sleep(args.idle_ms / 1000)
 
 
 def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path) -> tuple[list[float], float | None]:
@@ -131,6 +144,7 @@ def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path
         # torchserve --start detaches the frontend from this process: ours by its run directory
         with OtherCpu({os.getpid(), *pids_with_arg(str(work))}) as other:
             for index, body in enumerate(bodies):
+                idle(args, index)
                 started = time.perf_counter()
                 status, answer = client.post(f"/predictions/{MODEL}", body)
                 took = (time.perf_counter() - started) * 1000
@@ -169,7 +183,9 @@ def main() -> None:
     table = markdown_table(["part", "p50 ms", "p90 ms", "p99 ms", "mean ms"],
                            [[name, *(f"{stats[name][q]:.3f}" for q in ("p50", "p90", "p99", "mean"))]
                             for name in order])
-    notes = (f"lone requests of {args.words[0]}-{args.words[1]} words, {args.requests} timed after {args.warmup}; "
+    spacing = f", each after {args.idle_ms:g} ms idle" if args.idle_ms else ", back to back"
+    notes = (f"lone requests of {args.words[0]}-{args.words[1]} words, {args.requests} timed after {args.warmup}"
+             f"{spacing}; "
              "other processes used " + " / ".join(f"{v}% ({k})" for k, v in other_pct.items()) + " of the CPU")
     args.out.with_suffix(".md").write_text(f"{header['command']}\n\n{table}\n\n{notes}\n")
     write_plot(args.out.with_suffix(".png"), "a lone short request: where the time goes (p50)", order,
