@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from collections.abc import Mapping, Sequence
@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from handlers import calibration, compile_cache, fused_attention, hardware, length_groups, memory, open_inference
+from handlers import (calibration, compile_cache, fused_attention, hardware, idle_cores, length_groups, memory,
+                      open_inference)
 from handlers.compile_cache import CacheDir
 from handlers.config import Attention, DType, HandlerConfig, ModuleGuards
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady, native_panic
@@ -91,6 +92,9 @@ class Engine:
         self.load_threads = self.threads.value  # fewer while other workers serve on shared cores
         self.cores = hardware.core_share(config.settings.threads, device)  # None: every forward at self.threads
         self._runs_at: tuple[int, ...] | None = None  # the thread counts the served forward was proven at; None: any
+        # fewer threads for a small forward after idle virtual cores (only where cores are shared forward by forward)
+        self.idle_cores = idle_cores.for_cpu(hardware.linux_cpu_flags()) if self.cores is not None else None
+        self._forward_ended: float | None = None  # time.monotonic() when this engine's last forward ended
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
         self._guard: GuardedForward | None = None
@@ -284,7 +288,7 @@ class Engine:
             stream = None if emit is None else (
                 lambda chunks: emit({body_of[request]: chunk for request, chunk in chunks.items()}))
             try:
-                with self._threads_for_forward() as threads:
+                with self._threads_for_forward(self._forward_tokens(encoded)) as threads:
                     stats.threads = threads
                     clock.lap("cores")
                     outputs = self._task.run(self, encoded, stream)
@@ -368,17 +372,33 @@ class Engine:
         logger.error("%s failed on one request: %s", stage, summarize(exc), exc_info=exc)
         return InferenceError(f"the server failed to {stage} this request ({type(exc).__name__}); it is logged")
 
+    def _forward_tokens(self, encoded: Any) -> int | None:
+        """The batch's tokens as it arrives (rows x length), where its task runs one forward of them; else None."""
+        assert self._task is not None
+        inputs = getattr(encoded, "inputs", None)
+        if not self._task.runs_one_forward or not isinstance(inputs, Mapping) or "input_ids" not in inputs:
+            return None
+        return int(inputs["input_ids"].numel())
+
     @contextmanager
-    def _threads_for_forward(self) -> Iterator[int]:
+    def _threads_for_forward(self, tokens: int | None = None) -> Iterator[int]:
         """The intra-op threads this batch's forward runs on, held until it ends: its share of the cores the
-        machine's workers share (``handlers.core_share``), else the count it loaded with."""
+        machine's workers share (``handlers.core_share``), fewer for a small batch after idle virtual cores
+        (``handlers.idle_cores``), else the count it loaded with."""
         if self.cores is None:
             yield self.threads.value
             return
-        with self.cores.forward(self._runs_at) as grant:
-            if torch.get_num_threads() != grant.threads:
-                torch.set_num_threads(grant.threads)
-            yield grant.threads
+        runs_at: Collection[int] | None = self._runs_at
+        if self.idle_cores is not None:
+            idle = None if self._forward_ended is None else time.monotonic() - self._forward_ended
+            runs_at = self.idle_cores.counts(runs_at, tokens, idle)
+        try:
+            with self.cores.forward(runs_at) as grant:
+                if torch.get_num_threads() != grant.threads:
+                    torch.set_num_threads(grant.threads)
+                yield grant.threads
+        finally:
+            self._forward_ended = time.monotonic()
 
     def _thread_counts(self) -> tuple[int, ...]:
         """The thread counts a forward may be given: the count it loads with, and with shared cores every core
@@ -495,7 +515,7 @@ class Engine:
             threads["per_forward"] = (
                 f"shared with the other workers on these {self.cores.cores} cores: all of them alone, an equal share "
                 f"while other workers hold batches or held them at once in the last {self.cores.remember_s:g}s"
-                + proven)
+                + proven + ("" if self.idle_cores is None else f"; {self.idle_cores.describe()}"))
         return threads
 
 

@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers import core_share
+from handlers import core_share, idle_cores
 from tests.test_embeddings import make_engine
 
 CPUS = frozenset({0, 1})
+# A forward of more tokens than a small one: where the cores are virtual, a small one after idleness runs on one
+# thread (handlers.idle_cores, tests/test_idle_cores.py), whatever its share.
+LONG_TEXT = " ".join(["alone"] * (idle_cores.SMALL_TOKENS + 1))
 
 SIBLING = textwrap.dedent("""
     import sys
@@ -322,7 +325,7 @@ def test_an_engine_loads_on_its_share_beside_a_serving_worker_and_then_serves(ti
     assert threads["intra_op"] == cores.cores and threads["at_load"] == max(1, cores.cores // 2), threads
     assert other.send("release") == "ok"
     time.sleep(cores.remember_s)
-    assert engine.predict([{"text": "READY: the load's share is given back"}])[0]["embedding"]
+    assert engine.predict([{"text": f"READY: the load's share is given back {LONG_TEXT}"}])[0]["embedding"]
     assert engine.last_batch.threads == cores.cores
     assert other.send("batch") == "ok"  # and this process serves now
     assert other.send("load beside") == f"turn True threads {cores.cores}"  # ... with no batch of its own
@@ -338,11 +341,11 @@ def test_an_engine_takes_its_share_of_the_cores_while_another_worker_holds_a_bat
     engine.load()
     cores = engine.cores
     assert cores is not None and cores.joined
-    assert engine.predict([{"text": "alone"}])[0]["embedding"]
+    assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]
     assert engine.last_batch.threads == cores.cores
     other = siblings(cores.cores, cores.path)
     assert other.send("batch") == "ok"
-    assert engine.predict([{"text": "beside another worker's batch"}])[0]["embedding"]
+    assert engine.predict([{"text": f"beside another worker's batch {LONG_TEXT}"}])[0]["embedding"]
     assert engine.last_batch.threads == max(1, cores.cores // 2)
     assert "cores" in engine.last_batch.milliseconds
     threads = engine.describe()["optimization"]["threads"]

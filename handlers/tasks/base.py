@@ -64,6 +64,7 @@ class Task(ABC):
     # a batch's rows in groups of similar length (handlers.length_groups).
     row_outputs: ClassVar[bool] = False
     encodes_texts: ClassVar[bool] = False  # preprocess tokenizes a batch of plain texts through the BatchEncoder
+    runs_one_forward: ClassVar[bool] = True  # ``run`` is one forward of ``inputs`` (generation loops: False)
 
     @classmethod
     def facts(cls) -> TaskFacts:

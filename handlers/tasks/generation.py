@@ -185,6 +185,7 @@ class TextGenerationTask(Task):
     name = "text-generation"
     open_inference_output = "generated_text"
     model_class = transformers.AutoModelForCausalLM
+    runs_one_forward = False  # a decode loop: its prompt's tokens say nothing of its work
 
     @classmethod
     def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> TokenGate:
