@@ -373,12 +373,11 @@ class Engine:
         return InferenceError(f"the server failed to {stage} this request ({type(exc).__name__}); it is logged")
 
     def _forward_tokens(self, encoded: Any) -> int | None:
-        """The batch's tokens as it arrives (rows x length), where its task runs one forward of them; else None."""
+        """The batch's tokens as it arrives (rows x length), where the idle rule asks and its task runs one forward
+        of them; else None."""
         assert self._task is not None
-        inputs = getattr(encoded, "inputs", None)
-        if not self._task.runs_one_forward or not isinstance(inputs, Mapping) or "input_ids" not in inputs:
-            return None
-        return int(inputs["input_ids"].numel())
+        ids = encoded.inputs.get("input_ids") if self.idle_cores and self._task.runs_one_forward else None
+        return None if ids is None else int(ids.numel())
 
     @contextmanager
     def _threads_for_forward(self, tokens: int | None = None) -> Iterator[int]:
