@@ -546,8 +546,9 @@ def main() -> None:
     try:
         started_peers, peer_targets, peer_info = start_peers(args, work, model_dir, tokenizer)
         server = start_server(args, work, model_dir)
-        for name in archive_names(args)[:-1]:
-            print_describe(describe_ours(server, name), name)
+        described = {name: describe_ours(server, name) for name in archive_names(args)[:-1]}
+        for name, meta in described.items():
+            print_describe(meta, name)
         rows, agreement = bench(server, args, tokenizer, peer_targets)
         after = describe_ours(server)
         runtime = (after.get("optimization") or {}).get("runtime")
@@ -564,7 +565,7 @@ def main() -> None:
         for path in (work / "model_store", work / "run" / "tmp", work / "peers" / "infinity-onnx-model"):
             shutil.rmtree(path, ignore_errors=True)
         (work / "run" / "key_file.json").unlink(missing_ok=True)
-    data = {**header, "agreement": agreement, "describe_after": after}
+    data = {**header, "agreement": agreement, "described": described, "describe_after": after}
     if peer_info:
         data["peers"] = peer_info
     table = report(rows, args.out, data)
