@@ -59,6 +59,7 @@ class Goal:
     at_most: bool
     applies: bool  # a goal on this CPU; else reported against no goal
     detail: str = ""
+    label: str = ""  # a few words for the plot
 
     @property
     def verdict(self) -> str:
@@ -143,8 +144,16 @@ def read_outputs(directory: Path) -> dict[str, Any]:
         path = directory / f"{name}.json"
         return json.loads(path.read_text()) if path.is_file() else {}
 
-    return {"model": json_file("model"), "e2e": json_file("e2e"),
-            "overhead": {INT8: overhead("overhead-int8"), OURS: overhead("overhead-default")}}
+    def first_line(name: str) -> str | None:  # bench_overhead.py's markdown starts with its command
+        path = directory / f"{name}.md"
+        return path.read_text().partition("\n")[0] if path.is_file() else None
+
+    model, e2e = json_file("model"), json_file("e2e")
+    return {"model": model, "e2e": e2e,
+            "overhead": {INT8: overhead("overhead-int8"), OURS: overhead("overhead-default")},
+            "commands": [command for command in (model.get("command"), e2e.get("command"),
+                                                 first_line("overhead-default"), first_line("overhead-int8"))
+                         if command]}
 
 
 def evaluate(outputs: Mapping[str, Any], isa: Sequence[str]) -> list[Goal]:
@@ -172,7 +181,7 @@ def _end_to_end(e2e: Mapping[str, Any], speed: bool) -> list[Goal]:
         return round(cell[model]["throughput_rps"] / cell[BASELINE]["throughput_rps"], 3)
 
     goals = [Goal(f"{label} archive, {words}, 16 clients: req/s x the baseline", times_baseline(model, workload),
-                  bound, False, speed)
+                  bound, False, speed, label=f"{label} {workload} c16")
              for model, label in ((INT8, "int8"), (OURS, "default"))
              for workload, words, bound in (("uniform", "~120 tokens", 3.0 if model == INT8 else 2.0),
                                             ("mixed", "8-96 words", 4.0 if model == INT8 else 2.5))]
@@ -181,7 +190,7 @@ def _end_to_end(e2e: Mapping[str, Any], speed: bool) -> list[Goal]:
               for model in (OURS, INT8) if model in cell]
     worst = max(ratios, default=None)
     goals.append(Goal("p99 in every cell: the highest of ours / the baseline's", round(worst[0], 3) if worst else None,
-                      1.0, True, speed, f"at {worst[1]}" if worst else ""))
+                      1.0, True, speed, f"at {worst[1]}" if worst else "", "p99 / baseline's"))
     for peer in PEERS:
         compared = [(cell[INT8]["throughput_rps"] / cell[peer]["throughput_rps"],
                      cell[INT8]["p99_ms"] / cell[peer]["p99_ms"], f"{workload} c{clients}")
@@ -190,10 +199,10 @@ def _end_to_end(e2e: Mapping[str, Any], speed: bool) -> list[Goal]:
         longest = max(compared, key=lambda item: item[1], default=None)
         goals.append(Goal(f"ahead of {peer} in req/s in every cell: the lowest of int8 / {peer}",
                           round(slowest[0], 3) if slowest else None, 1.0, False, True,
-                          f"at {slowest[2]}" if slowest else "run without --no-peers"))
+                          f"at {slowest[2]}" if slowest else "run without --no-peers", f"req/s / {peer}'s"))
         goals.append(Goal(f"ahead of {peer} in p99 in every cell: the highest of int8 / {peer}",
                           round(longest[1], 3) if longest else None, 1.0, True, True,
-                          f"at {longest[2]}" if longest else "run without --no-peers"))
+                          f"at {longest[2]}" if longest else "run without --no-peers", f"p99 / {peer}'s"))
     return goals
 
 
@@ -203,10 +212,11 @@ def _model_alone(model: Mapping[str, Any], isa: Sequence[str], speed: bool) -> l
     at_8x128 = medians.get((int8_variant, "b8xL128"))
     int8_short, ort_short = medians.get((int8_variant, "b1xL16")), medians.get((ort, "b1xL16"))
     return [
-        Goal("int8 model alone, 8 texts x 128 tokens: median ms", at_8x128, 40.0, True, speed, int8_variant),
+        Goal("int8 model alone, 8 texts x 128 tokens: median ms", at_8x128, 40.0, True, speed, int8_variant,
+             "int8 model 8x128 ms"),
         Goal("int8 model alone, 1 text x 16 tokens: int8 / ONNX Runtime fp32",
              round(int8_short / ort_short, 3) if int8_short and ort_short else None, 1.0, True, speed,
-             f"{int8_short} / {ort_short} ms"),
+             f"{int8_short} / {ort_short} ms", "int8 model 1x16 / ORT's"),
     ]
 
 
@@ -215,11 +225,12 @@ def _lone_request(overhead: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
     for model, label in ((OURS, "default"), (INT8, "int8")):
         parts = overhead.get(model) or {}
         ours, client, forward = (parts.get(part, {}).get("p50_ms") for part in ("ours", "client", "forward"))
-        goals.append(Goal(f"{label} archive, a lone request: the handler's own ms (p50)", ours, 1.0, True, True))
+        goals.append(Goal(f"{label} archive, a lone request: the handler's own ms (p50)", ours, 1.0, True, True,
+                          label=f"{label} lone: own ms"))
         goals.append(Goal(f"{label} archive, a lone request: client / forward (p50)",
                           round(client / forward, 3) if client and forward else None, 2.0, True, True,
                           f"client {client}, TorchServe {parts.get('torchserve', {}).get('p50_ms')}, forward "
-                          f"{forward} ms" if client and forward else ""))
+                          f"{forward} ms" if client and forward else "", f"{label} lone: client / forward"))
     return goals
 
 
@@ -239,11 +250,11 @@ def _answers(e2e: Mapping[str, Any]) -> list[Goal]:
         bound = gate.get(key)
         goals.append(Goal(f"{label} archive's answers: min cosine vs the baseline's", measured,
                           float(bound) if bound else 0.99, False, True,
-                          f"served {dtype or 'unknown'}; its gate's {key}"))
+                          f"served {dtype or 'unknown'}; its gate's {key}", f"{label} min cosine"))
     return goals
 
 
-def report(goals: Sequence[Goal], out: Path, isa: Sequence[str], source: str) -> str:
+def report(goals: Sequence[Goal], out: Path, isa: Sequence[str], source: str, commands: Sequence[str] = ()) -> str:
     rows = [goal.row() for goal in goals]
     write_csv(out / "goals.csv", rows)
     columns = ["goal", "measured", "bound", "verdict", "detail"]
@@ -252,11 +263,12 @@ def report(goals: Sequence[Goal], out: Path, isa: Sequence[str], source: str) ->
     summary = (f"CPU flags: {' '.join(isa) or 'none of ' + '/'.join(CPU_ISA_FLAGS)}; {source}\n"
                f"{sum(goal.applies and goal.met for goal in goals)} goals met, {len(missed)} missed"
                + (f": {'; '.join(missed)}" if missed else ""))
-    (out / "goals.md").write_text(f"{summary}\n\n{table}\n")
+    ran = "".join(f"\n    {command}" for command in commands)
+    (out / "goals.md").write_text(f"{summary}\n\n{table}\n" + (f"\nMeasured by:\n{ran}\n" if ran else ""))
     log(f"wrote {out / 'goals.md'}")
     plotted = [goal for goal in goals if goal.margin is not None]
     write_plot(out / "goals.png", "issue 19's goals on this CPU: margin (1 or more: met)",
-               [goal.name[:48] for goal in plotted],
+               [goal.label or goal.name for goal in plotted],
                [("measured vs bound", {"margin": [goal.margin for goal in plotted]})])
     return f"{summary}\n\n{table}"
 
@@ -275,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = args.source or args.out
     outputs = read_outputs(source)
     isa = outputs["model"].get("cpu_isa") or outputs["e2e"].get("cpu_isa") or isa  # the run's CPU, not this one's
-    print(report(evaluate(outputs, isa), args.out, isa, f"outputs in {source}"), flush=True)
+    print(report(evaluate(outputs, isa), args.out, isa, f"outputs in {source}", outputs["commands"]), flush=True)
     return 0
 
 

@@ -113,7 +113,7 @@ def test_the_answers_are_judged_by_the_gate_of_the_precision_served(dtype, bound
 
 def test_from_an_earlier_run_it_writes_the_table_without_running_anything(tmp_path, capsys):
     data = outputs()
-    (tmp_path / "model.json").write_text(json.dumps(data["model"]))
+    (tmp_path / "model.json").write_text(json.dumps({**data["model"], "command": "bench_model.py --rounds 5"}))
     (tmp_path / "e2e.json").write_text(json.dumps(data["e2e"]))
     for model, stem in (("minilm", "overhead-default"), ("int8", "overhead-int8")):
         with (tmp_path / f"{stem}.csv").open("w", newline="") as f:
@@ -132,3 +132,4 @@ def test_from_an_earlier_run_it_writes_the_table_without_running_anything(tmp_pa
     assert (out / "goals.md").read_text().splitlines()[1] == (
         "15 goals met, 2 missed: default archive, a lone request: client / forward (p50); "
         "int8 archive, a lone request: client / forward (p50)")
+    assert (out / "goals.md").read_text().endswith("Measured by:\n\n    bench_model.py --rounds 5\n")
