@@ -46,7 +46,6 @@ OURS = "minilm"  # bench_e2e.py's name for the default archive; the int8 archive
 INT8 = "int8"
 BASELINE = "baseline"
 PEERS = ("infinity-torch", "infinity-optimum")
-SHAPES = ("b1xL16", "b8xL128")
 
 
 @dataclass(frozen=True)
