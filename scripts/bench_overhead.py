@@ -13,8 +13,12 @@ Why: at concurrency 1 a client waits for the whole path, not the model alone. Th
 Handler's own time = handle() - forward. TorchServe's share = the client's p50 - handle()'s p50 (its frontend,
 batching window, the socket to the worker, the worker's protocol code).
 
+Both are loaded side by side, warmed up with ``--warmup`` untimed requests each, then timed in ``--blocks``
+alternated blocks of the same requests (in process, then through TorchServe): this VM's speed drifts by up to a
+quarter within minutes, and with the two timed one after the other that drift landed in TorchServe's share.
+
     .venv/bin/python scripts/bench_overhead.py [--config model_configs/minilm-embeddings.yaml] [--requests 300]
-        [--words 8 16] [--skip-torchserve] [--idle-ms 100]
+        [--warmup 30] [--blocks 4] [--words 8 16] [--skip-torchserve] [--idle-ms 100]
 
 ``--idle-ms`` sleeps that long before each timed request, in process and through TorchServe: a client whose
 requests come seldom, so that the worker's cores go idle between them (its OpenMP threads asleep, and under a
@@ -55,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-torchserve", action="store_true", help="the in-process part only")
     parser.add_argument("--idle-ms", type=float, default=0.0,
                         help="idle time before each timed request (0: back to back)")
+    parser.add_argument("--blocks", type=int, default=4,
+                        help="alternated blocks the timed requests are split into, in process then through TorchServe")
     parser.add_argument("--port-shift", type=int, default=30000)
     parser.add_argument("--server-set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="lines added to TorchServe's config.properties (e.g. async_logging=true)")
@@ -87,74 +93,114 @@ def torchserve_context(config: Path, work: Path) -> Any:
                    model_yaml_config=raw)
 
 
-def in_process(args: argparse.Namespace, bodies: list[bytes]) -> dict[str, list[float]]:
-    """Per request: handle()'s wall time, each engine stage, and the adapter's rest (ms)."""
-    sys.path.insert(0, str(REPO))
-    from ts.context import RequestProcessor
+class InProcess:
+    """Our Pt2Handler under TorchServe's own Context and metrics cache, called as the worker calls it."""
 
-    from handlers.torchserve_handler import Pt2Handler
+    def __init__(self, args: argparse.Namespace, work: Path):
+        sys.path.insert(0, str(REPO))
+        from handlers.torchserve_handler import Pt2Handler
 
-    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        context = torchserve_context(args.config, Path(tmp))
-        handler = Pt2Handler()
+        self.context = torchserve_context(args.config, work)
+        self.handler = Pt2Handler()
         log(f"in process: loading {args.config.name} (compile and warmup; a minute or two with a cold cache)")
         started = time.perf_counter()
-        handler.initialize(context)
-        log(f"in process: READY on {handler.engine.active_rung} ({handler.engine.dtype.value.value}) in "
+        self.handler.initialize(self.context)
+        log(f"in process: READY on {self.handler.engine.active_rung} ({self.handler.engine.dtype.value.value}) in "
             f"{time.perf_counter() - started:.1f}s")
-        samples: dict[str, list[float]] = {name: [] for name in ("handle", *STAGES, "adapter", "ours")}
-        for index, body in enumerate(bodies):
+        self.samples: dict[str, list[float]] = {name: [] for name in ("handle", *STAGES, "adapter", "ours")}
+
+    def run(self, bodies: list[bytes], first: int, idle_ms: float, timed: bool) -> None:
+        """handle() each body alone; ``timed``: keep its wall time, each engine stage and the adapter's rest (ms)."""
+        from ts.context import RequestProcessor
+
+        context = self.context
+        for index, body in enumerate(bodies, first):
             context.request_ids = {0: f"r{index}"}
             context.request_processor = [RequestProcessor({})]
             context.metrics.request_ids = context.request_ids
-            idle(args, index)
+            if timed:
+                idle(idle_ms)
             started = time.perf_counter()
-            [answer] = handler.handle([{"body": bytearray(body)}], context)
+            [answer] = self.handler.handle([{"body": bytearray(body)}], context)
             took = (time.perf_counter() - started) * 1000
             assert b'"embedding"' in answer, answer[:200]  # the worker answers bytes (orjson)
-            if index < args.warmup:
+            if not timed:
                 continue
-            stages = handler.engine.last_batch.milliseconds
-            samples["handle"].append(took)
+            stages = self.handler.engine.last_batch.milliseconds
+            self.samples["handle"].append(took)
             for stage in STAGES:
-                samples[stage].append(stages.get(stage, 0.0))
-            samples["adapter"].append(took - sum(stages.get(stage, 0.0) for stage in STAGES))
-            samples["ours"].append(took - stages.get("forward", 0.0))
-        return samples
+                self.samples[stage].append(stages.get(stage, 0.0))
+            self.samples["adapter"].append(took - sum(stages.get(stage, 0.0) for stage in STAGES))
+            self.samples["ours"].append(took - stages.get("forward", 0.0))
 
 
-def idle(args: argparse.Namespace, index: int) -> None:
+def idle(idle_ms: float) -> None:
     """``--idle-ms`` of sleep before a timed request (the untimed warmup ones go back to back)."""
-    if args.idle_ms and index >= args.warmup:
-        time.sleep(args.idle_ms / 1000)
+    if idle_ms:
+        time.sleep(idle_ms / 1000)
 
 
-def through_torchserve(args: argparse.Namespace, bodies: list[bytes], work: Path) -> tuple[list[float], float | None]:
-    """Client latency (ms) of each lone request through TorchServe, one keep-alive connection, one at a time; and
-    the CPU share of processes other than this one and that TorchServe meanwhile."""
-    store = work / "model_store"
-    package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
-    config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
-    started = time.monotonic()
-    server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar"], work / "run", 900, every_worker=True)
-    log(f"TorchServe READY in {time.monotonic() - started:.0f}s")
+class ThroughTorchServe:
+    """The same archive served by TorchServe on loopback, one keep-alive client sending lone requests."""
+
+    def __init__(self, args: argparse.Namespace, work: Path):
+        store = work / "model_store"
+        package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
+        config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
+        self.run_dir = work / "run"
+        started = time.monotonic()
+        server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar"], self.run_dir, 900, every_worker=True)
+        log(f"TorchServe READY in {time.monotonic() - started:.0f}s")
+        self.client = Client(server.inference_url, server.key("inference"))
+        self.latencies: list[float] = []
+
+    def run(self, bodies: list[bytes], idle_ms: float, timed: bool) -> None:
+        for body in bodies:
+            if timed:
+                idle(idle_ms)
+            started = time.perf_counter()
+            status, answer = self.client.post(f"/predictions/{MODEL}", body)
+            took = (time.perf_counter() - started) * 1000
+            assert status == 200, answer[:200]
+            if timed:
+                self.latencies.append(took)
+
+    def stop(self) -> None:
+        self.client.close()
+        tsctl.stop(self.run_dir)
+
+
+def measure(args: argparse.Namespace, bodies: list[bytes], work: Path) -> tuple[dict[str, list[float]], float | None]:
+    """Warm both up, then time them in ``--blocks`` alternated blocks of the same requests: in process, then through
+    TorchServe. This VM's speed drifts within minutes, and a ratio of two phases run minutes apart (client / forward)
+    measured the drift as much as TorchServe. Also the CPU share of processes other than ours meanwhile."""
+    ours = InProcess(args, work / "in-process")
+    served = None if args.skip_torchserve else ThroughTorchServe(args, work / "torchserve")
     try:
-        client = Client(server.inference_url, server.key("inference"))
-        latencies = []
-        # torchserve --start detaches the frontend from this process: ours by its run directory
-        with OtherCpu({os.getpid(), *pids_with_arg(str(work))}) as other:
-            for index, body in enumerate(bodies):
-                idle(args, index)
-                started = time.perf_counter()
-                status, answer = client.post(f"/predictions/{MODEL}", body)
-                took = (time.perf_counter() - started) * 1000
-                assert status == 200, answer[:200]
-                if index >= args.warmup:
-                    latencies.append(took)
-        client.close()
-        return latencies, other.percent
+        warmup, timed = bodies[:args.warmup], bodies[args.warmup:]
+        log(f"warmup: {len(warmup)} untimed requests each" + ("" if served else " (in process only)"))
+        ours.run(warmup, 0, 0.0, timed=False)
+        if served:
+            served.run(warmup, 0.0, timed=False)
+        roots = {os.getpid()}
+        if served:  # torchserve --start detaches the frontend from this process: ours by its run directory
+            roots |= set(pids_with_arg(str(work)))
+        size = -(-len(timed) // args.blocks)
+        with OtherCpu(roots) as other:
+            for block, first in enumerate(range(0, len(timed), size), 1):
+                chunk = timed[first:first + size]
+                ours.run(chunk, args.warmup + first, args.idle_ms, timed=True)
+                if served:
+                    served.run(chunk, args.idle_ms, timed=True)
+                log(f"block {block}/{args.blocks}: forward p50 {summarize(ours.samples['forward'])['p50']:.2f} ms"
+                    + (f", client p50 {summarize(served.latencies)['p50']:.2f} ms" if served else "") + " so far")
     finally:
-        tsctl.stop(work / "run")
+        if served:
+            served.stop()
+    samples = dict(ours.samples)
+    if served:
+        samples["client"] = served.latencies
+    return samples, other.percent
 
 
 def main() -> None:
@@ -165,17 +211,13 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     header = run_header(args)
     bodies = make_bodies(args.warmup + args.requests, tuple(args.words))
-    with OtherCpu() as other:
-        samples = in_process(args, bodies)
-    other_pct = {"in process": other.percent}
-    if not args.skip_torchserve:
-        with tempfile.TemporaryDirectory(prefix="bench-overhead-ts-") as tmp:
-            samples["client"], other_pct["through TorchServe"] = through_torchserve(args, bodies, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        samples, other_pct = measure(args, bodies, Path(tmp))
     stats = {name: summarize(values) for name, values in samples.items()}
     if "client" in stats:
         stats["torchserve"] = {q: stats["client"][q] - stats["handle"][q] for q in ("p50", "p90", "p99", "mean")}
     rows = [{"part": name, **{f"{q}_ms": round(value, 3) for q, value in s.items()}, "requests": args.requests,
-             "other_cpu_pct": other_pct.get("through TorchServe" if name in ("client", "torchserve") else "in process")}
+             "other_cpu_pct": other_pct}
             for name, s in stats.items()]
     write_csv(args.out.with_suffix(".csv"), rows)
     order = [name for name in ("client", "torchserve", "handle", "ours", "forward", *STAGES[:2], STAGES[3], "adapter")
@@ -184,9 +226,10 @@ def main() -> None:
                            [[name, *(f"{stats[name][q]:.3f}" for q in ("p50", "p90", "p99", "mean"))]
                             for name in order])
     spacing = f", each after {args.idle_ms:g} ms idle" if args.idle_ms else ", back to back"
-    notes = (f"lone requests of {args.words[0]}-{args.words[1]} words, {args.requests} timed after {args.warmup}"
-             f"{spacing}; "
-             "other processes used " + " / ".join(f"{v}% ({k})" for k, v in other_pct.items()) + " of the CPU")
+    where = ("in process" if args.skip_torchserve
+             else f"in {args.blocks} alternated blocks, in process and through TorchServe")
+    notes = (f"lone requests of {args.words[0]}-{args.words[1]} words, {args.requests} timed after {args.warmup} "
+             f"untimed{spacing}, {where}; other processes used {other_pct}% of the CPU meanwhile")
     args.out.with_suffix(".md").write_text(f"{header['command']}\n\n{table}\n\n{notes}\n")
     write_plot(args.out.with_suffix(".png"), "a lone short request: where the time goes (p50)", order,
                [("ms (p50)", {"p50": [stats[name]["p50"] for name in order]})])
