@@ -9,7 +9,8 @@ workers (benchmarks/baseline.yaml mirrors the model YAML), so only the handler d
     baseline   benchmarks/baseline_handler.py: fp32 eager, padded to 128 tokens (TorchServe's HF example)
 
 Per workload x concurrency cell, each model gets --requests requests from --concurrency keep-alive clients,
-in --rounds rounds that alternate the order (ABBA...: forward, then reversed), so drift on the box hits all. The
+in --rounds rounds that alternate the order (ABBA...: forward, then reversed), so drift on the box hits all; each
+model's share of a round follows --settle untimed requests, one at a time, as it has sat idle while the others ran. The
 ports are the shipped ones + --port-shift (default 20000), clear of a dev server (+0) and the tests (+10000).
 
 More rows, same load, same run (each gets its own row in the CSV, PNG and table, with its ratio to the baseline):
@@ -76,6 +77,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=list(WORKLOADS),
                         help="uniform: ~120-token texts; mixed: 8-96 words; short: 8-16 words")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per cell (requests split)")
+    # Each target sits idle for seconds while the others take their turn in a round, which a steady stream of requests
+    # at one concurrency never does: under a hypervisor its idle cores are given up, and at concurrency 1 its first
+    # request after that was a cell's p99. What idleness costs a lone request is bench_overhead.py --idle-ms's to say.
+    parser.add_argument("--settle", type=int, default=2,
+                        help="untimed requests to each target, one at a time, before its timed share of a round")
     # TorchServe's frontend (a JVM) serves a lone request ~2-5 ms slower for its first few hundred requests, while its
     # JIT compiles; a serving server is past that, and so is a peer, which needs no warming (docs/performance.md).
     parser.add_argument("--warmup", type=int, default=400, help="untimed requests per model and workload first")
@@ -299,13 +305,18 @@ def send_bodies(url: str, key: str, path: str, bodies: Sequence[Any], concurrenc
     return {"latencies": latencies, "errors": errors, "seconds": time.perf_counter() - started}
 
 
-def run_cell(targets: Sequence[Target], texts: list[str], concurrency: int, rounds: int) -> dict[str, dict[str, Any]]:
-    """Every target, same texts, ``rounds`` rounds alternating the order (forward, reversed); merged per target."""
+def run_cell(targets: Sequence[Target], texts: list[str], concurrency: int, rounds: int,
+             settle: int = 0) -> dict[str, dict[str, Any]]:
+    """Every target, same texts, ``rounds`` rounds alternating the order (forward, reversed); merged per target.
+    Each target's share of a round follows ``settle`` untimed requests of its first texts, one at a time (their
+    errors count)."""
     merged = {target.name: {"latencies": [], "errors": [], "seconds": 0.0} for target in targets}
     per_round = math.ceil(len(texts) / rounds)
     for index in range(rounds):
         chunk = texts[index * per_round:(index + 1) * per_round]
         for target in (targets if index % 2 == 0 else targets[::-1]):
+            if settle:
+                merged[target.name]["errors"] += send_texts(target, chunk[:settle], 1)["errors"]
             result = send_texts(target, chunk, concurrency)
             for key in ("latencies", "errors"):
                 merged[target.name][key] += result[key]
@@ -400,7 +411,7 @@ def bench(server: tsctl.Server, args: argparse.Namespace, tokenizer: Any,
         for concurrency in args.concurrency:
             texts = make_texts(words, workload, args.requests, rng)
             with OtherCpu(roots) as other:
-                merged = run_cell(targets, texts, concurrency, args.rounds)
+                merged = run_cell(targets, texts, concurrency, args.rounds, args.settle)
             cell = [{**cell_row(workload, concurrency, target.name, merged[target.name]),
                      "other_cpu_pct": other.percent} for target in targets]
             add_ratio(cell)
