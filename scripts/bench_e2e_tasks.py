@@ -11,7 +11,7 @@ token and decode tokens/s as a client reads them from the chunked response.
     .venv/bin/python scripts/bench_e2e_tasks.py [--tasks ...] [--requests 40] [--concurrency 1 4] \
         [--cache-dir .cache/inductor]
 
-Ports: the shipped ones + --port-shift (default 30000), clear of a dev server, the tests and bench_e2e.py.
+Ports: the shipped ones + --port-shift (default 22000), clear of a dev server, the tests and bench_e2e.py.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=6, help="text-generation: streamed requests per model")
     parser.add_argument("--models", type=Path, default=REPO / ".cache" / "test-models")
     parser.add_argument("--cache-dir", type=Path, help="inductor cache dir for the workers (default: a new one)")
-    parser.add_argument("--port-shift", type=int, default=30000)
+    parser.add_argument("--port-shift", type=int, default=22000)
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "e2e-tasks")
     return parser.parse_args()

@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
                         help="idle time before each timed request (0: back to back)")
     parser.add_argument("--blocks", type=int, default=4,
                         help="alternated blocks the timed requests are split into, in process then through TorchServe")
-    parser.add_argument("--port-shift", type=int, default=30000)
+    parser.add_argument("--port-shift", type=int, default=22000)
     parser.add_argument("--server-set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="lines added to TorchServe's config.properties (e.g. async_logging=true)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "overhead", help="CSV/PNG/markdown path stem")

@@ -46,7 +46,7 @@ import package  # noqa: E402
 import tsctl  # noqa: E402
 from handlers.memory import DIRECTORY as MEASURED  # noqa: E402
 
-PORT_SHIFT = 30000  # away from the shipped ports, the tests (+10000) and bench_e2e (+20000)
+PORT_SHIFT = 22000  # away from the shipped ports, the tests (+10000 ... +17000) and bench_e2e (+20000)
 MODEL = "minilm"
 
 

@@ -86,13 +86,31 @@ def server_for(config: Path, run_dir: Path) -> Server:
 
 def shifted_config(out_dir: Path, shift: int, config: Path = DEFAULT_CONFIG, extra: Sequence[str] = ()) -> Path:
     """``config`` with every port moved by ``shift`` (worker ports too), written to ``out_dir``, so that servers
-    for tests (+10000, +11000), benchmarks (+20000, +30000) and a dev server (+0) never collide. ``extra``:
-    KEY=VALUE lines appended (a key set twice takes the last value, as TorchServe reads properties)."""
+    for tests (+10000 ... +17000), benchmarks (+20000, +22000) and a dev server (+0) never collide. ``extra``:
+    KEY=VALUE lines appended (a key set twice takes the last value, as TorchServe reads properties).
+
+    Every port should stay below the kernel's ephemeral range (Linux: from 32768), where any client socket may be
+    given it: benchmarks at +30000 (38080-38082) once found 38082 held by a socket of the run before, and TorchServe
+    failed to bind it."""
     text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + shift}",
                   config.read_text())
+    ephemeral = ephemeral_ports()  # (workers talk over Unix sockets named after their port: no TCP port to hold)
+    highest = max(int(port) for port in re.findall(r"(?:_address=http://127\.0\.0\.1:|_port=)(\d+)", text))
+    text += f"\ninitial_worker_port={9000 + shift}\n"
+    if ephemeral and highest >= ephemeral:
+        print(f"[start] warning: port {highest} is in the kernel's ephemeral range (from {ephemeral}): a client "
+              "socket may hold it and TorchServe fail to bind; a smaller port shift avoids that", flush=True)
     path = out_dir / config.name
-    path.write_text(text + f"\ninitial_worker_port={9000 + shift}\n" + "".join(f"{line}\n" for line in extra))
+    path.write_text(text + "".join(f"{line}\n" for line in extra))
     return path
+
+
+def ephemeral_ports() -> int | None:
+    """The first port the kernel hands out to client sockets (Linux), or None where it does not say."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def server_env(run_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
