@@ -84,6 +84,15 @@ def server_for(config: Path, run_dir: Path) -> Server:
     )
 
 
+# A TCP port TorchServe listens on, in config.properties: the workers' initial_worker_port names Unix sockets instead
+LISTENING_PORT = re.compile(r"(_address=http://127\.0\.0\.1:|(?<!initial_worker)_port=)(\d+)")
+
+
+def listening_ports(properties: str) -> list[int]:
+    """The TCP ports a config.properties' text has TorchServe listen on."""
+    return [int(match[2]) for match in LISTENING_PORT.finditer(properties)]
+
+
 def shifted_config(out_dir: Path, shift: int, config: Path = DEFAULT_CONFIG, extra: Sequence[str] = ()) -> Path:
     """``config`` with every port moved by ``shift`` (worker ports too), written to ``out_dir``, so that servers
     for tests (+10000 ... +17000), benchmarks (+20000, +22000) and a dev server (+0) never collide. ``extra``:
@@ -92,11 +101,10 @@ def shifted_config(out_dir: Path, shift: int, config: Path = DEFAULT_CONFIG, ext
     Every port should stay below the kernel's ephemeral range (Linux: from 32768), where any client socket may be
     given it: benchmarks at +30000 (38080-38082) once found 38082 held by a socket of the run before, and TorchServe
     failed to bind it."""
-    text = re.sub(r"(_address=http://127\.0\.0\.1:|_port=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + shift}",
-                  config.read_text())
-    ephemeral = ephemeral_ports()  # (workers talk over Unix sockets named after their port: no TCP port to hold)
-    highest = max(int(port) for port in re.findall(r"(?:_address=http://127\.0\.0\.1:|_port=)(\d+)", text))
+    text = LISTENING_PORT.sub(lambda m: f"{m[1]}{int(m[2]) + shift}", config.read_text())
+    highest = max(listening_ports(text))
     text += f"\ninitial_worker_port={9000 + shift}\n"
+    ephemeral = ephemeral_ports()
     if ephemeral and highest >= ephemeral:
         print(f"[start] warning: port {highest} is in the kernel's ephemeral range (from {ephemeral}): a client "
               "socket may hold it and TorchServe fail to bind; a smaller port shift avoids that", flush=True)

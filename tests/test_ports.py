@@ -4,7 +4,6 @@ bind it. scripts/tsctl.py's shifted_config warns when a shift reaches that range
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -26,16 +25,10 @@ def default_shift(module, monkeypatch: pytest.MonkeyPatch) -> int:
     return module.parse_args().port_shift
 
 
-def listening_ports(config: Path) -> list[int]:
-    """TCP ports: the workers' initial_worker_port names Unix sockets."""
-    return [int(port) for port in
-            re.findall(r"(?:_address=http://127\.0\.0\.1:|(?<!initial_worker)_port=)(\d+)", config.read_text())]
-
-
 @pytest.mark.parametrize("script", [bench_e2e, bench_e2e_tasks, bench_overhead, bench_restart])
 def test_every_benchmark_server_listens_below_the_ephemeral_range(script, monkeypatch, tmp_path, capsys):
     shift = bench_restart.PORT_SHIFT if script is bench_restart else default_shift(script, monkeypatch)
-    ports = listening_ports(tsctl.shifted_config(tmp_path, shift))
+    ports = tsctl.listening_ports(tsctl.shifted_config(tmp_path, shift).read_text())
     start = tsctl.ephemeral_ports() or LINUX_EPHEMERAL_START
     assert len(ports) == 5 and max(ports) < min(start, LINUX_EPHEMERAL_START), (shift, ports)
     assert "ephemeral" not in capsys.readouterr().out
