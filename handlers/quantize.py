@@ -34,7 +34,10 @@ from typing import Any
 
 import torch
 
+from handlers import outlier_producers
 from handlers.config import DType
+
+logger = logging.getLogger(__name__)
 
 TORCHAO = "torchao"
 # CPU features with int8 dot products (u8 x s8 -> s32 in one instruction).
@@ -81,14 +84,14 @@ def _quiet_torchao() -> Iterator[None]:
     """torchao logs (WARNING) each optional CUDA extension a CPU-only torch cannot load, and torch a deprecation
     for each enum torchao registers as it goes: noise to a server log, at import and at the first quantize."""
     noisy = [logging.getLogger(name) for name in (TORCHAO, "torch.utils._pytree")]
-    levels = [logger.level for logger in noisy]
-    for logger in noisy:
-        logger.setLevel(logging.ERROR)
+    levels = [each.level for each in noisy]
+    for each in noisy:
+        each.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        for logger, level in zip(noisy, levels, strict=True):
-            logger.setLevel(level)
+        for each, level in zip(noisy, levels, strict=True):
+            each.setLevel(level)
 
 
 def int8_problem(device: torch.device) -> str | None:
@@ -178,12 +181,13 @@ def x86_config(weights: Int8Weights = Int8Weights.FULL) -> Any:
 def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.Tensor]],
                 rest: torch.dtype = torch.float32,
                 keep_float: Callable[[str, torch.nn.Linear], bool] = stays_float,
-                weights: Int8Weights = Int8Weights.FULL) -> torch.nn.Module:
+                weights: Int8Weights = Int8Weights.FULL, fuse_split_producers: bool = True) -> torch.nn.Module:
     """``module`` (float32) with every linear layer but those ``keep_float`` names (by default ``stays_float``; each
     named as ``module.named_modules()`` names it) quantized statically to int8 (PT2E), calibrated on ``examples``
     (the warmup batches), exported from the largest of them with every axis the model lets vary dynamic, its weights
     in ``weights``' range (``Int8Weights.for_cpu``). Called with the same keywords as ``module``; what is not
-    quantized runs in ``rest``."""
+    quantized runs in ``rest``. An ``OutlierSplit`` reading an activation of another linear layer is rewritten so
+    that layer fuses (``handlers.outlier_producers``) unless ``fuse_split_producers`` is False (benchmarks)."""
     if not examples or not all(isinstance(example, Mapping) for example in examples):
         raise TypeError("static int8 needs warmup batches of named tensors to export and calibrate on")
     quantization, reason = probe_torchao()
@@ -203,6 +207,10 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
             graph.graph.erase_node(node)
     graph.graph.eliminate_dead_code()  # e.g. BERT's unused pooler, whose dangling tanh the quantizer trips on
     graph.recompile()
+    if fuse_split_producers:
+        fused = outlier_producers.from_producers(graph)
+        if fused:
+            logger.info("int8: %d split layers' producers rewritten to fuse: %s", len(fused), ", ".join(fused))
     quantizer = x86.X86InductorQuantizer().set_global(x86_config(weights))
     for name, layer in module.named_modules():  # keep_float sees the model's own names; the graph's are under inner
         if isinstance(layer, torch.nn.Linear) and keep_float(name, layer):

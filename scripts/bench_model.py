@@ -83,6 +83,7 @@ class Variant:
     full_weights: bool = False  # pt2e: weights in [-128, 127] on any CPU (the rung: 7 bits without int8 dot products)
     small_batch_tokens: int = 0  # a second graph for batches of at most this many tokens (shapes.small_batch_tokens)
     all_guards: bool = False  # compiled with dynamo's guards on the model's attributes, as before stop 53
+    fused_producers: bool = True  # pt2e: split FFN outputs' producers rewritten to fuse (handlers.outlier_producers)
 
 
 MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
@@ -124,6 +125,9 @@ VARIANTS = (
             cpp_wrapper=True),
     Variant("pt2e-static-int8-bf16-measured-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True),
+    # ... as it was built before stop 64: a split FFN output's producer writes floats, its GELU a pass of its own.
+    Variant("pt2e-static-int8-bf16-measured-cpp-unfused", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, fused_producers=False),
     # ... with full-range weights where the rung takes 7-bit ones (a CPU without int8 dot products: they saturate).
     Variant("pt2e-static-int8-measured-cpp-full-weights", "pt2e", "int8", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, full_weights=True),
@@ -316,7 +320,8 @@ def pt2e_runner(module: Any, variant: Variant, calibration: list[Batch]) -> Runn
         keep_float = measured_float_layers(module, model, calibration, weights)
     else:
         keep_float = lambda name, layer: bool(pattern and re.search(pattern, name))  # noqa: E731
-    quantized = static_int8(model, calibration, rest, keep_float=keep_float, weights=weights)
+    quantized = static_int8(model, calibration, rest, keep_float=keep_float, weights=weights,
+                            fuse_split_producers=variant.fused_producers)
     return one_graph_runner(compile_as_rung(quantized, variant))
 
 
