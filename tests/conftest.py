@@ -223,3 +223,15 @@ def quiet_load_counters(monkeypatch):
     from handlers import race
 
     monkeypatch.setattr(race, "runqueue_wait_s", lambda: None)
+
+
+@pytest.fixture
+def private_inductor_cache(tmp_path, monkeypatch):
+    """Inductor's caches in the test's own directory, dynamo reset before and after: what a test compiles is
+    compiled there, never served from another test's graphs."""
+    import torch
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

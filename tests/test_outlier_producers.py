@@ -106,14 +106,6 @@ def test_int8_quantizes_the_kept_rows_as_the_producer_and_answers_as_the_unfused
     assert cosine(got.flatten(1), before.flatten(1)).min().item() > 0.999
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _compiled_calls(fuse: bool, rest: torch.dtype) -> list[str]:
     """The oneDNN int8 linear calls in the code inductor generates for the int8 FFN, compiled as the rung does."""
     from torch._inductor.utils import run_and_get_code
@@ -128,7 +120,7 @@ def _compiled_calls(fuse: bool, rest: torch.dtype) -> list[str]:
 
 
 @pytest.mark.parametrize("rest", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_compiled_the_producer_writes_gelu_quantized_in_its_int8_linear(private_cache, rest):
+def test_compiled_the_producer_writes_gelu_quantized_in_its_int8_linear(private_inductor_cache, rest):
     fused, unfused = _compiled_calls(True, rest), _compiled_calls(False, rest)
     writes_quantized_gelu = "torch.uint8, 'gelu'"
     assert sum(writes_quantized_gelu in call for call in fused) == 1, fused

@@ -50,20 +50,12 @@ def _graph_cache_use() -> dict[str, int]:
     return {outcome: counters["inductor"][f"fxgraph_cache_{outcome}"] for outcome in ("hit", "miss", "bypass")}
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(DType.INT8, marks=pytest.mark.torchao), DType.FLOAT32])
-def test_a_frozen_graph_is_cached_and_loaded_with_the_weights_being_compiled(private_cache, dtype):
+def test_a_frozen_graph_is_cached_and_loaded_with_the_weights_being_compiled(private_inductor_cache, dtype):
     """The model's own answers (int8: the PT2E reference's, up to rounding), where the other model's weights would be
     over 100 % off. torch 2.8 (the ipex profile, float32 only) packs frozen float32 weights for MKL, not oneDNN: its
     graph is cached all the same."""
