@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from handlers import outlier_producers
+from handlers import merged_linears, outlier_producers
 from handlers.config import DType
 
 logger = logging.getLogger(__name__)
@@ -181,13 +181,15 @@ def x86_config(weights: Int8Weights = Int8Weights.FULL) -> Any:
 def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.Tensor]],
                 rest: torch.dtype = torch.float32,
                 keep_float: Callable[[str, torch.nn.Linear], bool] = stays_float,
-                weights: Int8Weights = Int8Weights.FULL, fuse_split_producers: bool = True) -> torch.nn.Module:
+                weights: Int8Weights = Int8Weights.FULL, fuse_split_producers: bool = True,
+                merge_shared_inputs: bool = True) -> torch.nn.Module:
     """``module`` (float32) with every linear layer but those ``keep_float`` names (by default ``stays_float``; each
     named as ``module.named_modules()`` names it) quantized statically to int8 (PT2E), calibrated on ``examples``
     (the warmup batches), exported from the largest of them with every axis the model lets vary dynamic, its weights
     in ``weights``' range (``Int8Weights.for_cpu``). Called with the same keywords as ``module``; what is not
     quantized runs in ``rest``. An ``OutlierSplit`` reading an activation of another linear layer is rewritten so
-    that layer fuses (``handlers.outlier_producers``) unless ``fuse_split_producers`` is False (benchmarks)."""
+    that layer fuses (``handlers.outlier_producers``), and quantized linear layers reading one tensor become one
+    (``handlers.merged_linears``), unless ``fuse_split_producers`` / ``merge_shared_inputs`` say not (benchmarks)."""
     if not examples or not all(isinstance(example, Mapping) for example in examples):
         raise TypeError("static int8 needs warmup batches of named tensors to export and calibrate on")
     quantization, reason = probe_torchao()
@@ -207,14 +209,13 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
             graph.graph.erase_node(node)
     graph.graph.eliminate_dead_code()  # e.g. BERT's unused pooler, whose dangling tanh the quantizer trips on
     graph.recompile()
-    if fuse_split_producers:
-        fused = outlier_producers.from_producers(graph)
-        if fused:
-            logger.info("int8: %d split layers' producers rewritten to fuse: %s", len(fused), ", ".join(fused))
+    # keep_float sees the model's own names; the graph's are under inner
+    kept_float = {f"inner.{name}" for name, layer in module.named_modules()
+                  if isinstance(layer, torch.nn.Linear) and keep_float(name, layer)}
+    _rewrite_float_graph(graph, kept_float, fuse_split_producers, merge_shared_inputs)
     quantizer = x86.X86InductorQuantizer().set_global(x86_config(weights))
-    for name, layer in module.named_modules():  # keep_float sees the model's own names; the graph's are under inner
-        if isinstance(layer, torch.nn.Linear) and keep_float(name, layer):
-            quantizer.set_module_name_qconfig(f"inner.{name}", None)
+    for name in kept_float:
+        quantizer.set_module_name_qconfig(name, None)
     with _quiet_torchao():
         prepared = quantize_pt2e.prepare_pt2e(graph, quantizer)
         with torch.no_grad():
@@ -222,6 +223,20 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
                 prepared(*(example[name] for name in names))
         quantized = quantize_pt2e.convert_pt2e(prepared)
     return _Keywords(quantized, names, rest)
+
+
+def _rewrite_float_graph(graph: torch.fx.GraphModule, kept_float: set[str], fuse_split_producers: bool,
+                         merge_shared_inputs: bool) -> None:
+    """The exported graph's rewrites before it is quantized (``static_int8``), each logged where it applied."""
+    if fuse_split_producers:
+        fused = outlier_producers.from_producers(graph)
+        if fused:
+            logger.info("int8: %d split layers' producers rewritten to fuse: %s", len(fused), ", ".join(fused))
+    if merge_shared_inputs:
+        merged = merged_linears.merge(graph, lambda paths: not kept_float.intersection(paths))
+        if merged:
+            logger.info("int8: %d groups of linear layers reading one input merged: %s", len(merged),
+                        "; ".join(", ".join(group) for group in merged))
 
 
 def _dynamic_axes(example: Mapping[str, torch.Tensor], names: Sequence[str]) -> tuple[dict, ...]:

@@ -84,6 +84,7 @@ class Variant:
     small_batch_tokens: int = 0  # a second graph for batches of at most this many tokens (shapes.small_batch_tokens)
     all_guards: bool = False  # compiled with dynamo's guards on the model's attributes, as before stop 53
     fused_producers: bool = True  # pt2e: split FFN outputs' producers rewritten to fuse (handlers.outlier_producers)
+    merged_linears: bool = True  # pt2e: linears reading one input as one (handlers.merged_linears)
 
 
 MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
@@ -125,9 +126,12 @@ VARIANTS = (
             cpp_wrapper=True),
     Variant("pt2e-static-int8-bf16-measured-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True),
-    # ... as it was built before stop 64: a split FFN output's producer writes floats, its GELU a pass of its own.
+    # ... with a split FFN output's producer writing floats, its GELU a pass of its own, as before stop 64
     Variant("pt2e-static-int8-bf16-measured-cpp-unfused", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, fused_producers=False),
+    # ... with query, key (and value, where it is not split) as separate int8 linears, as before stop 64
+    Variant("pt2e-static-int8-bf16-measured-cpp-unmerged", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, merged_linears=False),
     # ... with full-range weights where the rung takes 7-bit ones (a CPU without int8 dot products: they saturate).
     Variant("pt2e-static-int8-measured-cpp-full-weights", "pt2e", "int8", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, full_weights=True),
@@ -321,7 +325,7 @@ def pt2e_runner(module: Any, variant: Variant, calibration: list[Batch]) -> Runn
     else:
         keep_float = lambda name, layer: bool(pattern and re.search(pattern, name))  # noqa: E731
     quantized = static_int8(model, calibration, rest, keep_float=keep_float, weights=weights,
-                            fuse_split_producers=variant.fused_producers)
+                            fuse_split_producers=variant.fused_producers, merge_shared_inputs=variant.merged_linears)
     return one_graph_runner(compile_as_rung(quantized, variant))
 
 
