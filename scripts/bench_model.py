@@ -132,6 +132,9 @@ VARIANTS = (
     # ... with query, key (and value, where it is not split) as separate int8 linears, as before stop 64
     Variant("pt2e-static-int8-bf16-measured-cpp-unmerged", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, merged_linears=False),
+    # ... with neither: the int8 rung as stop 63 built it
+    Variant("pt2e-static-int8-bf16-measured-cpp-stop63", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, fused_producers=False, merged_linears=False),
     # ... with full-range weights where the rung takes 7-bit ones (a CPU without int8 dot products: they saturate).
     Variant("pt2e-static-int8-measured-cpp-full-weights", "pt2e", "int8", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, full_weights=True),
