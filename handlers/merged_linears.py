@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from handlers.fx_rewrite import add_node, hold, held_tensor
+
 aten = torch.ops.aten
 # What a projection's reader may do to its output for the projection to join others: change its shape, nothing else.
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
@@ -48,15 +50,6 @@ def merge(graph: torch.fx.GraphModule, quantized: Callable[[Sequence[str]], bool
     return merged
 
 
-def _attr(graph: torch.fx.GraphModule, node: Any) -> torch.Tensor | None:
-    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-        value = graph
-        for part in node.target.split("."):
-            value = getattr(value, part, None)
-        return value if isinstance(value, torch.Tensor) else None
-    return None
-
-
 def _bias(linear: torch.fx.Node) -> Any:
     return linear.args[2] if len(linear.args) > 2 else None
 
@@ -64,31 +57,29 @@ def _bias(linear: torch.fx.Node) -> Any:
 def _mergeable(graph: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """``aten.linear`` with a weight (and bias, if any) that the graph holds, its output only reshaped."""
     return (node.op == "call_function" and node.target is aten.linear.default and not node.kwargs
-            and _attr(graph, node.args[1]) is not None
-            and (_bias(node) is None or _attr(graph, _bias(node)) is not None)
+            and held_tensor(graph, node.args[1]) is not None
+            and (_bias(node) is None or held_tensor(graph, _bias(node)) is not None)
             and bool(node.users) and all(reader.target in RESHAPES for reader in node.users))
 
 
 def _merge(graph: torch.fx.GraphModule, linears: list[torch.fx.Node], with_bias: bool) -> list[str]:
     inputs, first = linears[0].args[0], linears[0]
-    weights = [_attr(graph, linear.args[1]) for linear in linears]
+    weights = [held_tensor(graph, linear.args[1]) for linear in linears]
     stacked = {"weight": torch.cat([weight.detach() for weight in weights])}
     if with_bias:
-        stacked["bias"] = torch.cat([_attr(graph, _bias(linear)).detach() for linear in linears])
+        stacked["bias"] = torch.cat([held_tensor(graph, _bias(linear)).detach() for linear in linears])
     stem = str(first.args[1].target).replace(".", "_")
     fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])  # the quantizer reads each node's meta value
     nodes = {}
     with graph.graph.inserting_before(first), fake_mode:
         for key, tensor in stacked.items():
             name = f"{stem}_merged_{len(linears)}_{key}"
-            graph.register_buffer(name, tensor)
-            nodes[key] = graph.graph.get_attr(name)
-            nodes[key].meta["val"] = fake_mode.from_tensor(tensor)
-        whole = _call(graph, aten.linear.default, inputs, nodes["weight"], nodes.get("bias"))
+            nodes[key] = hold(graph, name, tensor, fake_mode)
+        whole = add_node(graph, aten.linear.default, inputs, nodes["weight"], nodes.get("bias"))
         whole.meta.update({key: value for key, value in first.meta.items() if key != "val"})
         start = 0
         for linear, weight in zip(linears, weights, strict=True):
-            part = _call(graph, aten.slice.Tensor, whole, -1, start, start + weight.shape[0])
+            part = add_node(graph, aten.slice.Tensor, whole, -1, start, start + weight.shape[0])
             # Run by the module holding the layer, not by the layer: the quantizer takes every node a Linear module
             # ran for a linear operator.
             part.meta["nn_module_stack"] = dict(list(linear.meta.get("nn_module_stack", {}).items())[:-1])
@@ -98,10 +89,3 @@ def _merge(graph: torch.fx.GraphModule, linears: list[torch.fx.Node], with_bias:
     for linear in linears:
         graph.graph.erase_node(linear)
     return names
-
-
-def _call(graph: torch.fx.GraphModule, target: Any, *args: Any) -> torch.fx.Node:
-    """A new node, with the meta value the quantizer reads computed on its arguments' (under their fake mode)."""
-    node = graph.graph.call_function(target, args)
-    node.meta["val"] = target(*(arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in args))
-    return node

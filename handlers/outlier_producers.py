@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from handlers.fx_rewrite import add_node, hold, held_tensor
+
 aten = torch.ops.aten
 # Elementwise activations a transformer's FFN applies between its two linear layers.
 ACTIVATIONS = (aten.gelu.default, aten.relu.default, aten.silu.default)
@@ -40,22 +42,13 @@ def from_producers(graph: torch.fx.GraphModule) -> list[str]:
     return rewritten
 
 
-def _attr(graph: torch.fx.GraphModule, node: Any) -> torch.Tensor | None:
-    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-        value = graph
-        for part in node.target.split("."):
-            value = getattr(value, part, None)
-        return value if isinstance(value, torch.Tensor) else None
-    return None
-
-
 def _match(graph: torch.fx.GraphModule, select: torch.fx.Node) -> tuple[Any, ...] | None:
     """(activation, producing linear, mask multiply, channels) when ``select`` picks an OutlierSplit's float
     channels out of an activation of a linear layer; else None. Checked on the tensors, not on names."""
     if select.op != "call_function" or select.target is not aten.index_select.default:
         return None
     activation, dim, channels_node = select.args
-    channels = _attr(graph, channels_node)
+    channels = held_tensor(graph, channels_node)
     if channels is None or not isinstance(activation, torch.fx.Node) or activation.target not in ACTIVATIONS:
         return None
     readers = set(activation.users) - {select}
@@ -64,7 +57,7 @@ def _match(graph: torch.fx.GraphModule, select: torch.fx.Node) -> tuple[Any, ...
     masked = readers.pop()
     if masked.target is not aten.mul.Tensor or masked.args[0] is not activation:
         return None
-    mask = _attr(graph, masked.args[1])
+    mask = held_tensor(graph, masked.args[1])
     expected = torch.ones_like(mask) if mask is not None else None
     if expected is None or mask.dim() != 1:
         return None
@@ -74,9 +67,9 @@ def _match(graph: torch.fx.GraphModule, select: torch.fx.Node) -> tuple[Any, ...
         return None
     producer = activation.args[0]
     if (not isinstance(producer, torch.fx.Node) or producer.target is not aten.linear.default
-            or len(producer.users) != 1 or _attr(graph, producer.args[1]) is None):
+            or len(producer.users) != 1 or held_tensor(graph, producer.args[1]) is None):
         return None
-    if len(producer.args) > 2 and producer.args[2] is not None and _attr(graph, producer.args[2]) is None:
+    if len(producer.args) > 2 and producer.args[2] is not None and held_tensor(graph, producer.args[2]) is None:
         return None
     return activation, producer, masked, channels
 
@@ -85,7 +78,7 @@ def _rewrite(graph: torch.fx.GraphModule, select: torch.fx.Node, activation: tor
              producer: torch.fx.Node, masked: torch.fx.Node, channels: torch.Tensor) -> str:
     inputs, weight_node = producer.args[0], producer.args[1]
     bias_node = producer.args[2] if len(producer.args) > 2 else None
-    weight, bias = _attr(graph, weight_node), _attr(graph, bias_node)
+    weight, bias = held_tensor(graph, weight_node), held_tensor(graph, bias_node)
     thin_weight, main_weight = weight.detach()[channels].clone(), weight.detach().clone()
     main_weight[channels] = 0
     added = {"main_weight": main_weight, "thin_weight": thin_weight}
@@ -99,15 +92,13 @@ def _rewrite(graph: torch.fx.GraphModule, select: torch.fx.Node, activation: tor
     with graph.graph.inserting_before(producer):
         for key, tensor in added.items():
             name = f"{stem}_outliers_{key}"
-            graph.register_buffer(name, tensor)
-            nodes[key] = graph.graph.get_attr(name)
-            nodes[key].meta["val"] = fake_mode.from_tensor(tensor)
+            nodes[key] = hold(graph, name, tensor, fake_mode)
     producer.args = (inputs, nodes["main_weight"], nodes.get("main_bias"), *producer.args[3:])
     with graph.graph.inserting_before(select), fake_mode:
         # The kept channels as a linear layer of their own on the same input, quantized as the producer is (the
         # quantizer reads its module's name from the meta copied below): the same int8 products as before.
-        thin = _call(graph, aten.linear.default, inputs, nodes["thin_weight"], nodes.get("thin_bias"))
-        kept = _call(graph, activation.target, thin, *activation.args[1:], **activation.kwargs)
+        thin = add_node(graph, aten.linear.default, inputs, nodes["thin_weight"], nodes.get("thin_bias"))
+        kept = add_node(graph, activation.target, thin, *activation.args[1:], **activation.kwargs)
         for new, like in ((thin, producer), (kept, activation)):
             new.meta.update({key: value for key, value in like.meta.items() if key != "val"})
     select.replace_all_uses_with(kept)
@@ -115,11 +106,3 @@ def _rewrite(graph: torch.fx.GraphModule, select: torch.fx.Node, activation: tor
     graph.graph.erase_node(select)
     graph.graph.erase_node(masked)
     return str(weight_node.target)
-
-
-def _call(graph: torch.fx.GraphModule, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
-    """A new node, with the meta value the quantizer reads computed on its arguments' (under their fake mode)."""
-    node = graph.graph.call_function(target, args, kwargs)
-    node.meta["val"] = target(*(arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in args),
-                              **kwargs)
-    return node

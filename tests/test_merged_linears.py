@@ -11,6 +11,7 @@ import torch
 from handlers import merged_linears, quantize
 from handlers.config import CompileSpec, DType
 from handlers.rungs import CompileRung
+from tests.test_outlier_producers import examples, exported  # the same 16-feature inputs, exported alike
 
 pytestmark = pytest.mark.torchao
 
@@ -35,17 +36,6 @@ class Attention(torch.nn.Module):
         attended = torch.nn.functional.scaled_dot_product_attention(
             self.heads(self.query(x)), self.heads(self.key(x)), self.heads(value))
         return attended.transpose(1, 2).reshape(x.shape)
-
-
-def examples(seed: int = 1) -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [{"x": torch.randn(rows, length, 16, generator=generator)} for rows, length in ((2, 5), (4, 7), (1, 3))]
-
-
-def exported(model: torch.nn.Module) -> torch.fx.GraphModule:
-    example = examples()[1]
-    return torch.export.export(quantize._Positional(model.eval(), ["x"]), (example["x"],),
-                               dynamic_shapes=(quantize._dynamic_axes(example, ["x"]),), strict=False).module()
 
 
 def linears(graph: torch.fx.GraphModule) -> int:
