@@ -229,9 +229,19 @@ def _lone_request(overhead: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
                           label=f"{label} lone: own ms"))
         goals.append(Goal(f"{label} archive, a lone request: client / forward (p50)",
                           round(client / forward, 3) if client and forward else None, 2.0, True, True,
-                          f"client {client}, TorchServe {parts.get('torchserve', {}).get('p50_ms')}, forward "
-                          f"{forward} ms" if client and forward else "", f"{label} lone: client / forward"))
+                          _lone_detail(parts) if client and forward else "", f"{label} lone: client / forward"))
     return goals
+
+
+def _lone_detail(parts: Mapping[str, Mapping[str, float]]) -> str:
+    """A lone request's p50 parts (ms), with TorchServe's floor where bench_overhead.py measured it: what a handler
+    that answers at once waits through the same TorchServe, and the batching window's share of it."""
+    p50 = {part: parts.get(part, {}).get("p50_ms") for part in
+           ("client", "torchserve", "forward", "floor", "batching_window")}
+    detail = f"client {p50['client']}, TorchServe {p50['torchserve']}, forward {p50['forward']} ms"
+    if p50["floor"] is not None:
+        detail += f"; TorchServe's floor {p50['floor']} ms, its batching window {p50['batching_window']}"
+    return detail
 
 
 def _answers(e2e: Mapping[str, Any]) -> list[Goal]:

@@ -13,6 +13,12 @@ Why: at concurrency 1 a client waits for the whole path, not the model alone. Th
 Handler's own time = handle() - forward. TorchServe's share = the client's p50 - handle()'s p50 (its frontend,
 batching window, the socket to the worker, the worker's protocol code).
 
+TorchServe's floor: the same TorchServe also serves benchmarks/floor_handler.py, a handler that answers at once,
+twice: with the model YAML's batchSize and maxBatchDelay ("floor") and with batchSize 1 ("floor unbatched"). The
+same client sends it the same requests in each timed block. The floor is what any handler pays for a lone request
+through this TorchServe; floor - floor unbatched is the batching window alone (a lone request waits up to
+maxBatchDelay for a second one, and a batchSize of 1 does not batch at all).
+
 Both are loaded side by side, warmed up with ``--warmup`` untimed requests each, then timed in ``--blocks``
 alternated blocks of the same requests (in process, then through TorchServe): this VM's speed drifts by up to a
 quarter within minutes, and with the two timed one after the other that drift landed in TorchServe's share.
@@ -32,6 +38,8 @@ import json
 import logging
 import os
 import random
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +55,8 @@ from bench_e2e import Client, single_token_words
 
 MODEL = "overhead"
 STAGES = ("parse", "preprocess", "forward", "postprocess")
+FLOOR_HANDLER = REPO / "benchmarks" / "floor_handler.py"
+FLOORS = {"floor": None, "floor_unbatched": 1}  # archive name -> its batchSize (None: the model YAML's)
 
 
 def parse_args() -> argparse.Namespace:
@@ -146,28 +156,49 @@ class ThroughTorchServe:
     def __init__(self, args: argparse.Namespace, work: Path):
         store = work / "model_store"
         package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
+        floors = [build_floor(name, batch_size, args.config, work, store) for name, batch_size in FLOORS.items()]
         config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
         self.run_dir = work / "run"
         started = time.monotonic()
-        server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar"], self.run_dir, 900, every_worker=True)
+        server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar", *floors], self.run_dir, 900, every_worker=True)
         log(f"TorchServe READY in {time.monotonic() - started:.0f}s")
         self.client = Client(server.inference_url, server.key("inference"))
-        self.latencies: list[float] = []
+        self.latencies: dict[str, list[float]] = {name: [] for name in (MODEL, *FLOORS)}
 
     def run(self, bodies: list[bytes], idle_ms: float, timed: bool) -> None:
-        for body in bodies:
-            if timed:
-                idle(idle_ms)
-            started = time.perf_counter()
-            status, answer = self.client.post(f"/predictions/{MODEL}", body)
-            took = (time.perf_counter() - started) * 1000
-            assert status == 200, answer[:200]
-            if timed:
-                self.latencies.append(took)
+        """The model's archive, then each floor archive: the same bodies, one after another."""
+        for name in self.latencies:
+            for body in bodies:
+                if timed:
+                    idle(idle_ms)
+                started = time.perf_counter()
+                status, answer = self.client.post(f"/predictions/{name}", body)
+                took = (time.perf_counter() - started) * 1000
+                assert status == 200, answer[:200]
+                if timed:
+                    self.latencies[name].append(took)
 
     def stop(self) -> None:
         self.client.close()
         tsctl.stop(self.run_dir)
+
+
+def build_floor(name: str, batch_size: int | None, config: Path, work: Path, store: Path) -> str:
+    """benchmarks/floor_handler.py as archive ``name`` in ``store``: one worker, the model YAML's batching, or
+    ``batch_size`` requests a batch where given. Returns its --models entry."""
+    model_yaml = yaml.safe_load(config.read_text())
+    batching = {key: model_yaml[key] for key in ("batchSize", "maxBatchDelay") if key in model_yaml}
+    if batch_size is not None:
+        batching["batchSize"] = batch_size
+    floor_yaml = work / f"{name}.yaml"
+    floor_yaml.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, **batching}))
+    archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
+    command = [archiver, "--model-name", name, "--version", "1.0", "--handler", str(FLOOR_HANDLER),
+               "--config-file", str(floor_yaml), "--export-path", str(store), "--archive-format", "no-archive",
+               "--force"]
+    log(f"packaging {name} ({batching}): {' '.join(command)}")
+    subprocess.run(command, check=True)
+    return f"{name}={name}"
 
 
 def measure(args: argparse.Namespace, bodies: list[bytes], work: Path) -> tuple[dict[str, list[float]], float | None]:
@@ -193,13 +224,15 @@ def measure(args: argparse.Namespace, bodies: list[bytes], work: Path) -> tuple[
                 if served:
                     served.run(chunk, args.idle_ms, timed=True)
                 log(f"block {block}/{args.blocks}: forward p50 {summarize(ours.samples['forward'])['p50']:.2f} ms"
-                    + (f", client p50 {summarize(served.latencies)['p50']:.2f} ms" if served else "") + " so far")
+                    + (f", client p50 {summarize(served.latencies[MODEL])['p50']:.2f} ms, floor p50 "
+                       f"{summarize(served.latencies['floor'])['p50']:.2f} ms" if served else "") + " so far")
     finally:
         if served:
             served.stop()
     samples = dict(ours.samples)
     if served:
-        samples["client"] = served.latencies
+        samples["client"] = served.latencies[MODEL]
+        samples.update((name, served.latencies[name]) for name in FLOORS)
     return samples, other.percent
 
 
@@ -216,11 +249,14 @@ def main() -> None:
     stats = {name: summarize(values) for name, values in samples.items()}
     if "client" in stats:
         stats["torchserve"] = {q: stats["client"][q] - stats["handle"][q] for q in ("p50", "p90", "p99", "mean")}
+        stats["batching_window"] = {q: stats["floor"][q] - stats["floor_unbatched"][q]
+                                    for q in ("p50", "p90", "p99", "mean")}
     rows = [{"part": name, **{f"{q}_ms": round(value, 3) for q, value in s.items()}, "requests": args.requests,
              "other_cpu_pct": other_pct}
             for name, s in stats.items()]
     write_csv(args.out.with_suffix(".csv"), rows)
-    order = [name for name in ("client", "torchserve", "handle", "ours", "forward", *STAGES[:2], STAGES[3], "adapter")
+    order = [name for name in ("client", "torchserve", "floor", "batching_window", "floor_unbatched", "handle", "ours",
+                               "forward", *STAGES[:2], STAGES[3], "adapter")
              if name in stats]
     table = markdown_table(["part", "p50 ms", "p90 ms", "p99 ms", "mean ms"],
                            [[name, *(f"{stats[name][q]:.3f}" for q in ("p50", "p90", "p99", "mean"))]
@@ -239,6 +275,9 @@ def main() -> None:
         log(f"p50: client {stats['client']['p50']:.2f} ms = TorchServe {stats['torchserve']['p50']:.2f} + handle() "
             f"{stats['handle']['p50']:.2f} (model forward {stats['forward']['p50']:.2f}, ours "
             f"{stats['ours']['p50']:.2f}); client / forward = {stats['client']['p50'] / stats['forward']['p50']:.2f}x")
+        log(f"p50: TorchServe's floor (a handler that answers at once) {stats['floor']['p50']:.2f} ms with this "
+            f"batching, {stats['floor_unbatched']['p50']:.2f} with batchSize 1: its batching window "
+            f"{stats['batching_window']['p50']:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,18 @@ def test_each_goal_is_met_or_missed_by_what_the_run_measured():
     assert slower["ahead of infinity-optimum in p99 in every cell: the highest of int8 / infinity-optimum"] == "missed"
 
 
+def test_a_lone_request_is_shown_against_torchserves_floor_where_it_was_measured():
+    data = outputs()
+    data["overhead"]["int8"].update({"floor": {"p50_ms": 2.8}, "batching_window": {"p50_ms": 1.7}})
+    goals = {goal.name: goal for goal in bench_goals.evaluate(data, AVX512_VNNI)}
+    lone = goals["int8 archive, a lone request: client / forward (p50)"]
+    assert lone.detail.startswith("client 6.1, TorchServe 3.3")
+    assert lone.detail.endswith("forward 2.4 ms; TorchServe's floor 2.8 ms, its batching window 1.7")
+    # an older run's outputs, without the floor: the parts alone
+    default = goals["default archive, a lone request: client / forward (p50)"].detail
+    assert default.startswith("client 6.3, TorchServe 3.0") and default.endswith("forward 2.9 ms")
+
+
 def test_the_speed_goals_are_reported_against_no_goal_on_a_cpu_without_bf16_and_int8_dot_products():
     goals = {goal.name: goal for goal in bench_goals.evaluate(outputs(int8_uniform_rps=60.0), AVX2)}
     uniform = goals["int8 archive, ~120 tokens, 16 clients: req/s x the baseline"]
