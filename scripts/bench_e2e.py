@@ -42,7 +42,6 @@ import queue
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -175,8 +174,7 @@ def package_baseline(model_dir: Path, store: Path, config: Path) -> Path:
         shutil.copytree(model_dir, staging / "model", ignore=lambda _dir, names: [
             n for n in names if n.startswith(".") or Path(n).suffix in package.EXCLUDED_SUFFIXES])
         shutil.copy(BASELINE_HANDLER, staging / BASELINE_HANDLER.name)
-        archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
-        command = [archiver, "--model-name", BASELINE, "--version", "1.0",
+        command = [package.archiver(), "--model-name", BASELINE, "--version", "1.0",
                    "--handler", str(staging / BASELINE_HANDLER.name), "--extra-files", str(staging),
                    "--config-file", str(config), "--export-path", str(store), "--force"]
         log(f"packaging baseline: {' '.join(command)}")

@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -192,8 +191,7 @@ def build_floor(name: str, batch_size: int | None, config: Path, work: Path, sto
         batching["batchSize"] = batch_size
     floor_yaml = work / f"{name}.yaml"
     floor_yaml.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, **batching}))
-    archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
-    command = [archiver, "--model-name", name, "--version", "1.0", "--handler", str(FLOOR_HANDLER),
+    command = [package.archiver(), "--model-name", name, "--version", "1.0", "--handler", str(FLOOR_HANDLER),
                "--config-file", str(floor_yaml), "--export-path", str(store), "--archive-format", "no-archive",
                "--force"]
     log(f"packaging {name} ({batching}): {' '.join(command)}")

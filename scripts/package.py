@@ -56,13 +56,17 @@ def stage(model_dir: Path, staging: Path, extra_files: tuple[Path, ...] = ()) ->
         shutil.copy(extra, staging / extra.name)
 
 
+def archiver() -> str:
+    """torch-model-archiver beside this Python (the venv's), else the one on PATH."""
+    return shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
+
+
 def archiver_command(name: str, version: str, staging: Path, config: Path, export_path: Path,
                      archive_format: str = DEFAULT_FORMAT) -> list[str]:
     """``archive_format``: torch-model-archiver's (FORMATS); "no-archive" writes a directory TorchServe serves as it
     is."""
-    archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent)) or "torch-model-archiver"
     return [
-        archiver,
+        archiver(),
         "--model-name", name,
         "--version", version,
         "--handler", str(staging / "handlers" / ENTRY_FILE),
