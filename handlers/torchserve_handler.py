@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import time
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ts.metrics.dimension import Dimension
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.utils.util import PredictionException
 
-from handlers import compile_cache
+from handlers import compile_cache, server_timing
 from handlers.batch_gauges import GaugeWindow
 from handlers.config import load_config
 from handlers.engine import Engine
@@ -106,6 +107,7 @@ class Pt2Handler(BaseHandler):
             return [json.dumps(self.describe_handle())]
         if self.engine is None:
             raise PredictionException(json.dumps({"code": 503, "message": "model is not loaded"}), 503)
+        started = time.perf_counter()
         before = self.engine.runtime_counters()
         answers: dict[int, Any] = {}
         bodies: dict[int, Any] = {}
@@ -133,7 +135,10 @@ class Pt2Handler(BaseHandler):
             logger.error("batch failed: %s", exc.message, exc_info=exc.__cause__ is not None)
             raise PredictionException(json.dumps(exc.to_json()), exc.status) from exc
         self._batch_metrics(before)
-        return [_respond(context, index, answers[index], index in streamed) for index in range(len(data))]
+        # The last batch's stages are this one's only where it reached the engine.
+        timing = server_timing.header(self.engine.last_batch.milliseconds if bodies else {},
+                                      (time.perf_counter() - started) * 1000, len(bodies))
+        return [_respond(context, index, answers[index], timing, index in streamed) for index in range(len(data))]
 
     def _batch_metrics(self, before: dict[str, Any]) -> None:
         engine = self.engine
@@ -200,9 +205,12 @@ def _body(row: dict[str, Any]) -> Any:
     )
 
 
-def _respond(context: Any, index: int, answer: Any, streamed: bool = False) -> bytes:
-    """The answer (or error) as JSON; a streamed request's last line."""
+def _respond(context: Any, index: int, answer: Any, timing: str, streamed: bool = False) -> bytes:
+    """The answer (or error) as JSON, with its batch's Server-Timing; a streamed request's last line (its headers
+    went out with its first chunk, before any timing was known)."""
     context.set_response_content_type(index, JSON_LINES if streamed else JSON)
+    if not streamed:
+        context.set_response_header(index, server_timing.NAME, timing)
     if isinstance(answer, HandlerError):
         # The reason phrase is the standard one: the message (which may echo client input) stays in the body.
         context.set_response_status(answer.status, HTTPStatus(answer.status).phrase, index)

@@ -202,11 +202,16 @@ class Client:
         self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        status, payload, _ = self.exchange(path, body)
+        return status, payload
+
+    def exchange(self, path: str, body: bytes) -> tuple[int, bytes, http.client.HTTPMessage]:
+        """POST ``body``: (status, payload, the response's headers)."""
         for attempt in (0, 1):
             try:
                 self.conn.request("POST", path, body=body, headers=self.headers)
                 response = self.conn.getresponse()
-                return response.status, response.read()
+                return response.status, response.read(), response.headers
             except (http.client.HTTPException, ConnectionError):
                 self.conn.close()
                 self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)

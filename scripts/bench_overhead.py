@@ -10,8 +10,11 @@ Why: at concurrency 1 a client waits for the whole path, not the model alone. Th
     through TS   the same archive served by TorchServe on loopback (token auth on), one keep-alive client
                  sending the same lone requests one after another: what the client waits for
 
-Handler's own time = handle() - forward. TorchServe's share = the client's p50 - handle()'s p50 (its frontend,
-batching window, the socket to the worker, the worker's protocol code).
+Handler's own time = handle() - forward. In the worker, each answer's Server-Timing header (handlers/server_timing.py)
+gives the same split for that very request: the worker's handler call and its forward. TorchServe's share = what the
+client waited - the worker's handler call, request by request (its frontend, batching window, the socket to the
+worker, the worker's protocol code). The in-process forward is the model alone, back to back; the worker's forward
+is the same model between requests that come through TorchServe.
 
 TorchServe's floor: the same TorchServe also serves benchmarks/floor_handler.py, a handler that answers at once,
 twice: with the model YAML's batchSize and maxBatchDelay ("floor") and with batchSize 1 ("floor unbatched"). The
@@ -56,6 +59,9 @@ MODEL = "overhead"
 STAGES = ("parse", "preprocess", "forward", "postprocess")
 FLOOR_HANDLER = REPO / "benchmarks" / "floor_handler.py"
 FLOORS = {"floor": None, "floor_unbatched": 1}  # archive name -> its batchSize (None: the model YAML's)
+# Read from each answer's Server-Timing: the worker's handler call, its forward, the rest of the call (the worker's own
+# time), and what the client waited beyond the call (TorchServe's share).
+WORKER_PARTS = ("worker_handler", "worker_forward", "worker_own", "torchserve")
 
 
 def parse_args() -> argparse.Namespace:
@@ -163,6 +169,11 @@ class ThroughTorchServe:
         log(f"TorchServe READY in {time.monotonic() - started:.0f}s")
         self.client = Client(server.inference_url, server.key("inference"))
         self.latencies: dict[str, list[float]] = {name: [] for name in (MODEL, *FLOORS)}
+        self.worker: dict[str, list[float]] = {part: [] for part in WORKER_PARTS}
+        sys.path.insert(0, str(REPO))
+        from handlers import server_timing
+
+        self.timing = server_timing
 
     def run(self, bodies: list[bytes], idle_ms: float, timed: bool) -> None:
         """The model's archive, then each floor archive: the same bodies, one after another."""
@@ -171,11 +182,21 @@ class ThroughTorchServe:
                 if timed:
                     idle(idle_ms)
                 started = time.perf_counter()
-                status, answer = self.client.post(f"/predictions/{name}", body)
+                status, answer, headers = self.client.exchange(f"/predictions/{name}", body)
                 took = (time.perf_counter() - started) * 1000
                 assert status == 200, answer[:200]
                 if timed:
                     self.latencies[name].append(took)
+                    if name == MODEL:
+                        self.keep_worker_timing(headers.get(self.timing.NAME) or "", took)
+
+    def keep_worker_timing(self, header: str, took: float) -> None:
+        """One answer's Server-Timing: the worker's handler call and forward, and the client's wait beyond the call."""
+        timing = self.timing.durations(header)
+        assert {"handler", "forward"} <= timing.keys(), f"no worker timing in Server-Timing: {header!r}"
+        handler, forward = timing["handler"], timing["forward"]
+        for part, value in zip(WORKER_PARTS, (handler, forward, handler - forward, took - handler), strict=True):
+            self.worker[part].append(value)
 
     def stop(self) -> None:
         self.client.close()
@@ -222,7 +243,8 @@ def measure(args: argparse.Namespace, bodies: list[bytes], work: Path) -> tuple[
                 if served:
                     served.run(chunk, args.idle_ms, timed=True)
                 log(f"block {block}/{args.blocks}: forward p50 {summarize(ours.samples['forward'])['p50']:.2f} ms"
-                    + (f", client p50 {summarize(served.latencies[MODEL])['p50']:.2f} ms, floor p50 "
+                    + (f", in the worker {summarize(served.worker['worker_forward'])['p50']:.2f} ms"
+                       f", client p50 {summarize(served.latencies[MODEL])['p50']:.2f} ms, floor p50 "
                        f"{summarize(served.latencies['floor'])['p50']:.2f} ms" if served else "") + " so far")
     finally:
         if served:
@@ -231,6 +253,7 @@ def measure(args: argparse.Namespace, bodies: list[bytes], work: Path) -> tuple[
     if served:
         samples["client"] = served.latencies[MODEL]
         samples.update((name, served.latencies[name]) for name in FLOORS)
+        samples.update(served.worker)
     return samples, other.percent
 
 
@@ -246,15 +269,15 @@ def main() -> None:
         samples, other_pct = measure(args, bodies, Path(tmp))
     stats = {name: summarize(values) for name, values in samples.items()}
     if "client" in stats:
-        stats["torchserve"] = {q: stats["client"][q] - stats["handle"][q] for q in ("p50", "p90", "p99", "mean")}
         stats["batching_window"] = {q: stats["floor"][q] - stats["floor_unbatched"][q]
                                     for q in ("p50", "p90", "p99", "mean")}
     rows = [{"part": name, **{f"{q}_ms": round(value, 3) for q, value in s.items()}, "requests": args.requests,
              "other_cpu_pct": other_pct}
             for name, s in stats.items()]
     write_csv(args.out.with_suffix(".csv"), rows)
-    order = [name for name in ("client", "torchserve", "floor", "batching_window", "floor_unbatched", "handle", "ours",
-                               "forward", *STAGES[:2], STAGES[3], "adapter")
+    order = [name for name in ("client", "torchserve", "floor", "batching_window", "floor_unbatched", "worker_handler",
+                               "worker_own", "worker_forward", "handle", "ours", "forward", *STAGES[:2], STAGES[3],
+                               "adapter")
              if name in stats]
     table = markdown_table(["part", "p50 ms", "p90 ms", "p99 ms", "mean ms"],
                            [[name, *(f"{stats[name][q]:.3f}" for q in ("p50", "p90", "p99", "mean"))]
@@ -270,9 +293,12 @@ def main() -> None:
     print(table)
     log(notes)
     if "client" in stats:
-        log(f"p50: client {stats['client']['p50']:.2f} ms = TorchServe {stats['torchserve']['p50']:.2f} + handle() "
-            f"{stats['handle']['p50']:.2f} (model forward {stats['forward']['p50']:.2f}, ours "
-            f"{stats['ours']['p50']:.2f}); client / forward = {stats['client']['p50'] / stats['forward']['p50']:.2f}x")
+        log(f"p50: client {stats['client']['p50']:.2f} ms; per request, TorchServe {stats['torchserve']['p50']:.2f} "
+            f"beyond the worker's handler call {stats['worker_handler']['p50']:.2f} (its forward "
+            f"{stats['worker_forward']['p50']:.2f}, its own {stats['worker_own']['p50']:.2f})")
+        log(f"p50: in process, back to back: handle() {stats['handle']['p50']:.2f} (model forward "
+            f"{stats['forward']['p50']:.2f}, ours {stats['ours']['p50']:.2f}); client / forward = "
+            f"{stats['client']['p50'] / stats['forward']['p50']:.2f}x")
         log(f"p50: TorchServe's floor (a handler that answers at once) {stats['floor']['p50']:.2f} ms with this "
             f"batching, {stats['floor_unbatched']['p50']:.2f} with batchSize 1: its batching window "
             f"{stats['batching_window']['p50']:.2f} ms")

@@ -96,6 +96,20 @@ def test_a_lone_request_is_shown_against_torchserves_floor_where_it_was_measured
     assert default.startswith("client 6.3, TorchServe 3.0") and default.endswith("forward 2.9 ms")
 
 
+def test_the_handlers_own_time_is_the_workers_where_the_run_read_it():
+    """bench_overhead.py reads each answer's Server-Timing: the handler's own time and forward in the worker judge and
+    show; an older run's in-process figures where it did not."""
+    data = outputs()
+    data["overhead"]["int8"].update({"worker_own": {"p50_ms": 1.2}, "worker_forward": {"p50_ms": 3.1}})
+    goals = {goal.name: goal for goal in bench_goals.evaluate(data, AVX512_VNNI)}
+    own = goals["int8 archive, a lone request: the handler's own ms (p50)"]
+    assert (own.measured, own.verdict, own.detail) == (1.2, "missed", "in the worker")
+    lone = goals["int8 archive, a lone request: client / forward (p50)"]
+    assert lone.detail.endswith("forward 2.4 ms (in the worker 3.1)")
+    older = goals["default archive, a lone request: the handler's own ms (p50)"]
+    assert (older.measured, older.verdict, older.detail) == (0.4, "met", "in process")
+
+
 def test_the_speed_goals_are_reported_against_no_goal_on_a_cpu_without_bf16_and_int8_dot_products():
     goals = {goal.name: goal for goal in bench_goals.evaluate(outputs(int8_uniform_rps=60.0), AVX2)}
     uniform = goals["int8 archive, ~120 tokens, 16 clients: req/s x the baseline"]

@@ -14,6 +14,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
+from urllib import error, request
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import tsctl  # noqa: E402
 
-from handlers import hardware, quantize  # noqa: E402
+from handlers import hardware, quantize, server_timing  # noqa: E402
 from handlers.config import DType  # noqa: E402
 from handlers.ipex import probe_ipex  # noqa: E402
 from tests.conftest import SHARED_STORE_ENV, port_shift  # noqa: E402
@@ -172,6 +173,38 @@ def test_predictions_need_the_token(server):
     assert req_status in (400, 401), "the management key must not open the inference API"
     status, body = predict(server, {"text": "hello"})
     assert status == 200 and len(body["embedding"]) == 384
+
+
+def timed_post(server, body: bytes, model: str = "minilm") -> tuple[int, str | None, float]:
+    """(status, the Server-Timing header, the milliseconds the client waited) for one request."""
+    req = request.Request(f"{server.inference_url}/predictions/{model}", data=body, method="POST",
+                          headers={"Authorization": f"Bearer {server.key('inference')}",
+                                   "Content-Type": "application/json"})
+    started = time.perf_counter()
+    try:
+        with request.urlopen(req, timeout=120) as resp:
+            status, headers = resp.status, resp.headers
+            resp.read()
+    except error.HTTPError as exc:
+        status, headers = exc.code, exc.headers
+        exc.read()
+    return status, headers.get(server_timing.NAME), (time.perf_counter() - started) * 1000
+
+
+def test_every_answer_carries_its_batchs_server_timing(server):
+    """handlers/server_timing.py through TorchServe: a lone request's stages in the order run, the handler's whole
+    call (the stages within it, itself within what the client waited), its batch of one; a body that is not JSON
+    stops after parsing, refused with the stages it went through."""
+    status, value, waited = timed_post(server, b'{"text": "hello world"}')
+    timing = server_timing.durations(value or "")
+    assert status == 200 and list(timing) == ["parse", "preprocess", "cores", "forward", "postprocess", "handler"], \
+        value
+    assert value.endswith(", batch;desc=1"), value
+    stages = sum(ms for name, ms in timing.items() if name != "handler")
+    assert 0 < timing["forward"] <= stages <= timing["handler"] + 0.005 < waited, (value, waited)
+    status, value, waited = timed_post(server, b'{"text": ')
+    timing = server_timing.durations(value or "")
+    assert status == 400 and "forward" not in timing and 0 < timing["parse"] <= timing["handler"] < waited, value
 
 
 def test_embeddings_equal_sentence_transformers(server, reference):
