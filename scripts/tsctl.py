@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from email.message import Message
 from pathlib import Path
 from urllib import error, request
 
@@ -47,6 +48,12 @@ class Server:
     def call(self, method: str, url: str, key_kind: str | None, body: bytes | None = None,
              content_type: str | None = None, timeout: float = 120) -> tuple[int, bytes]:
         """One HTTP call; returns (status, body) for any status."""
+        status, payload, _ = self.exchange(method, url, key_kind, body, content_type, timeout)
+        return status, payload
+
+    def exchange(self, method: str, url: str, key_kind: str | None, body: bytes | None = None,
+                 content_type: str | None = None, timeout: float = 120) -> tuple[int, bytes, Message]:
+        """One HTTP call; returns (status, body, the response's headers) for any status."""
         req = request.Request(url, data=body, method=method)
         key = None if key_kind is None else self.key(key_kind)
         if key is not None:
@@ -55,9 +62,9 @@ class Server:
             req.add_header("Content-Type", content_type)
         try:
             with request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, resp.read()
+                return resp.status, resp.read(), resp.headers
         except error.HTTPError as exc:
-            return exc.code, exc.read()
+            return exc.code, exc.read(), exc.headers
 
     def management(self, method: str, path: str, timeout: float = 120) -> tuple[int, bytes]:
         return self.call(method, f"{self.management_url}{path}", "management", timeout=timeout)

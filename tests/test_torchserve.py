@@ -14,7 +14,6 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from urllib import error, request
 
 import pytest
 import torch
@@ -177,17 +176,9 @@ def test_predictions_need_the_token(server):
 
 def timed_post(server, body: bytes, model: str = "minilm") -> tuple[int, str | None, float]:
     """(status, the Server-Timing header, the milliseconds the client waited) for one request."""
-    req = request.Request(f"{server.inference_url}/predictions/{model}", data=body, method="POST",
-                          headers={"Authorization": f"Bearer {server.key('inference')}",
-                                   "Content-Type": "application/json"})
     started = time.perf_counter()
-    try:
-        with request.urlopen(req, timeout=120) as resp:
-            status, headers = resp.status, resp.headers
-            resp.read()
-    except error.HTTPError as exc:
-        status, headers = exc.code, exc.headers
-        exc.read()
+    status, _, headers = server.exchange("POST", f"{server.inference_url}/predictions/{model}", "inference", body,
+                                         "application/json")
     return status, headers.get(server_timing.NAME), (time.perf_counter() - started) * 1000
 
 
