@@ -458,6 +458,11 @@ class Engine:
     def _on_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: tensor.to(self.device) for name, tensor in batch.items()}
 
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The paths under the model's URL its task answers besides the URL itself (``Task.paths``)."""
+        return self._task.paths if self._task is not None else ()
+
     def describe(self) -> dict[str, Any]:
         settings = self.config.settings
         optimization = {

@@ -44,6 +44,12 @@ class InvalidInput(HandlerError, ValueError):
     status = 400
 
 
+class PathNotFound(HandlerError):
+    """A request to a path under the model's URL that its task does not answer (404). Only that request fails."""
+
+    status = 404
+
+
 class ModelNotReady(HandlerError):
     """A request arrived before the model finished loading, or after it failed to (503)."""
 

@@ -28,13 +28,15 @@ from handlers import compile_cache, server_timing
 from handlers.batch_gauges import GaugeWindow
 from handlers.config import load_config
 from handlers.engine import Engine
-from handlers.errors import ConfigError, HandlerError, InvalidInput
+from handlers.errors import ConfigError, HandlerError, InvalidInput, PathNotFound
 
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
 JSON_LINES = "application/jsonl"  # a streamed answer: one JSON object per line, the last one the answer itself
 TS_IPEX_SWITCH = "TS_IPEX_ENABLE"
+# TorchServe 0.12 passes the path after /predictions/<model>/<version>/ in this header ("" where there is none)
+URL_PATH = "url_path"
 
 
 def _base_handler_class() -> type:
@@ -113,8 +115,10 @@ class Pt2Handler(BaseHandler):
         bodies: dict[int, Any] = {}
         for index, row in enumerate(data):
             try:
+                _check_path(context.get_request_header(index, URL_PATH), self.engine.paths, context.model_name,
+                            self.engine.model_version)
                 bodies[index] = _body(row)
-            except InvalidInput as exc:
+            except (InvalidInput, PathNotFound) as exc:
                 answers[index] = exc
         rows = list(bodies)  # body index -> TorchServe's row index
         streamed: set[int] = set()
@@ -187,6 +191,17 @@ def _device(gpu_id: int | None) -> torch.device:
     if gpu_id is not None and torch.cuda.is_available():
         return torch.device(f"cuda:{gpu_id}")
     return torch.device("cpu")
+
+
+def _check_path(path: str | None, answered: tuple[str, ...], model: str, version: str | None) -> None:
+    """/predictions/<model>/<version>/<path> is served only where the task answers that path (OpenAI clients
+    append theirs to a base URL); anywhere else the request fails alone, instead of being answered as if sent to the
+    model's own URL."""
+    if not path or path.strip("/") in answered:
+        return
+    url = f"/predictions/{model}"
+    where = " or ".join([f"{url}[/<version>]", *(f"{url}/{version or '<version>'}/{known}" for known in answered)])
+    raise PathNotFound(f"this model serves nothing at {path[:200]!r} after its version; send to {where}")
 
 
 def _body(row: dict[str, Any]) -> Any:

@@ -43,9 +43,10 @@ class Case:
     content_type: str | None
     status: int
     says: str | None  # a fragment of the JSON error's message; None: no JSON body (TorchServe's own 413)
+    path: str = ""  # sent to /predictions/<model>/<version>/<path>; "": to /predictions/<model>
 
 
-Request = tuple[bytes, str | None]  # body, Content-Type
+Request = tuple[bytes, str | None, str]  # body, Content-Type, the path after /predictions/<model> ("" for none)
 Answer = tuple[int | None, bytes]  # status (None: the connection failed), body
 
 
@@ -65,8 +66,8 @@ TASKS = {
     "embeddings": TaskInputs(
         good=lambda text: {"text": text}, key="text", empty="the text is empty",
         not_object="expected text or a JSON object, got JSON int", inputs='"inputs" must be a string or a non-empty',
-        own=(("unsupported encoding_format", {"input": "hi", "encoding_format": "base64"},
-              "encoding_format 'base64' is not supported"),)),
+        own=(("unsupported encoding_format", {"input": "hi", "encoding_format": "int8"},
+              "encoding_format 'int8' is not supported"),)),
     "text-classification": TaskInputs(
         good=lambda text: {"text": text, "top_k": None}, key="text", empty="the text is empty",
         not_object="expected text or a JSON object, got JSON int", inputs='"inputs" must be a string or a non-empty',
@@ -144,6 +145,9 @@ def cases(task: str, inputs: dict[str, Any], max_request_size: int) -> list[Case
                 "(3 elements) but 1"),
         as_json("odd but valid Unicode (NUL, zero-width, emoji, RTL, CJK)",
                 spec.good("a\u0000b \u200b \U0001f600 \u05e9\u05dc\u05d5\u05dd \u4e2d\u6587"), 200, None),
+        Case("a path under the model's URL it does not serve",
+             json.dumps(spec.good("x")).encode(), "application/json", 404, "serves nothing at 'v1/chat/completions'",
+             path="v1/chat/completions"),
     ]
     result += [as_json(kind, body, 400, says) for kind, body, says in spec.own]
     if task == "question-answering":  # the room a window leaves the context at or under the stride: a Rust panic once
@@ -167,12 +171,12 @@ class Outcome:
 EXPECT_CONTINUE_FROM = 1 << 20  # bodies from 1 MiB ask first, as curl does
 
 
-def send(server: tsctl.Server, model: str, body: bytes, content_type: str | None) -> Answer:
+def send(server: tsctl.Server, model: str, body: bytes, content_type: str | None, path: str = "") -> Answer:
     if len(body) >= EXPECT_CONTINUE_FROM:
         return send_expecting_continue(server, model, body, content_type)
     try:
-        return server.call("POST", f"{server.inference_url}/predictions/{model}", "inference", body, content_type,
-                           timeout=300)
+        return server.call("POST", f"{server.inference_url}/predictions/{model}{'/' + path if path else ''}",
+                           "inference", body, content_type, timeout=300)
     except OSError as exc:
         return None, str(exc).encode()
 
@@ -267,12 +271,14 @@ def check(server: tsctl.Server, model: str, max_request_size: int = DEFAULT_MAX_
     meta = before["customizedMetadata"]
     task = meta["task"]
     spec = TASKS[task]
-    goods = [(json.dumps(spec.good(text)).encode(), "application/json") for text in GOOD_TEXTS]
+    goods = [(json.dumps(spec.good(text)).encode(), "application/json", "") for text in GOOD_TEXTS]
     alone = [send(server, model, *good) for good in goods]
     problems = [f"good request {i} alone: {status} {raw[:200]!r}" for i, (status, raw) in enumerate(alone)
                 if status != 200]
     hostile = cases(task, meta["inputs"], max_request_size)
-    results = at_once(server, model, [(c.body, c.content_type) for c in hostile] + goods)
+    version = before["modelVersion"]
+    results = at_once(server, model, [(c.body, c.content_type, f"{version}/{c.path}" if c.path else "")
+                                      for c in hostile] + goods)
     outcomes = [Outcome(case, status, raw, judge(case, status, raw))
                 for case, (status, raw) in zip(hostile, results, strict=False)]
     problems += [f"{o.case.kind}: {o.problem}" for o in outcomes if o.problem]

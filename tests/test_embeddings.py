@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +69,25 @@ def test_every_body_shape_gets_its_own_answer_shape(engine, tiny_bert_dir):
     torch.testing.assert_close(torch.tensor(answers[6]["embeddings"]), want[1:], atol=1e-5, rtol=1e-4)
 
 
+def test_openai_base64_answers_are_the_float_answers_float32_bytes(engine):
+    """encoding_format "base64" (what the OpenAI SDK asks for unless told otherwise): each embedding is the base64 of
+    its float32 values, little-endian, as OpenAI's API answers; the same values as the float answer, to the bit, in a
+    batch beside other shapes and in a batch of base64 answers alone."""
+    texts = ["a short one", "a rather longer sentence about serving models"]
+    floats, encoded, single = engine.predict([{"input": texts}, {"input": texts, "encoding_format": "base64"},
+                                              {"text": texts[0]}])
+    (alone,) = engine.predict([{"input": texts[1], "encoding_format": "base64", "model": "m"}])
+    decoded = [np.frombuffer(base64.b64decode(item["embedding"], validate=True), dtype="<f4")
+               for item in encoded["data"] + alone["data"]]
+    want = np.array([item["embedding"] for item in floats["data"]], dtype=np.float32)
+    assert [d.shape for d in decoded] == [(want.shape[1],)] * 3
+    np.testing.assert_array_equal(np.stack(decoded), want[[0, 1, 1]])
+    np.testing.assert_array_equal(want[0], np.array(single["embedding"], dtype=np.float32))
+    assert {key: value for key, value in encoded.items() if key != "data"} == \
+        {key: value for key, value in floats.items() if key != "data"}
+    assert [(item["object"], item["index"]) for item in encoded["data"]] == [("embedding", 0), ("embedding", 1)]
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -85,7 +106,8 @@ def test_every_body_shape_gets_its_own_answer_shape(engine, tiny_bert_dir):
         ({"inputs": ["ok", 3]}, r'"inputs"[1] must be a string, got int'),
         ({"inputs": ["x"] * 5}, '"inputs" has 5 texts; at most 4 per request'),
         ({"inputs": ["x"], "model": "m"}, "unknown key(s) model; allowed here: inputs"),
-        ({"input": "x", "encoding_format": "base64"}, "encoding_format 'base64' is not supported"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format 'int8' is not supported; use \"float\" or"),
+        ({"input": "x", "encoding_format": None}, "encoding_format None is not supported"),
         (42, "expected text or a JSON object, got JSON int"),
         ({"inputs": ["ok", "a\ud800b"]}, "holds a lone surrogate ('\\ud800' at character 1)"),
         (b'{"text": "\\udfff"}', "holds a lone surrogate"),

@@ -214,6 +214,35 @@ def test_embeddings_equal_sentence_transformers(server, reference):
     assert_close_embeddings([d["embedding"] for d in openai["data"]], want)
 
 
+@pytest.mark.default_profile  # the openai extra is installed in the default profile
+def test_the_openai_sdk_embeds_through_torchserve_with_the_inference_key(server, reference):
+    """OpenAI's own Python SDK pointed at /predictions/<model>/<version>/v1, the inference key as its api_key: its
+    default request (encoding_format "base64", which the SDK decodes) and "float" both answer sentence-transformers'
+    embeddings; the management key is refused; a path the model does not serve is a 404 that says where to send."""
+    import openai
+
+    version = describe(server, customized=False)["modelVersion"]
+    base_url = f"{server.inference_url}/predictions/minilm/{version}/v1"
+    client = openai.OpenAI(base_url=base_url, api_key=server.key("inference"), max_retries=0, timeout=120)
+    want = reference(TEXTS[:3])
+    default = client.embeddings.create(model="minilm", input=TEXTS[:3])
+    floats = client.embeddings.create(model="minilm", input=TEXTS[:3], encoding_format="float")
+    for answer in (default, floats):
+        assert [item.index for item in answer.data] == [0, 1, 2] and answer.model == "minilm", answer
+        assert answer.usage.prompt_tokens == answer.usage.total_tokens > 3
+        assert_close_embeddings([item.embedding for item in answer.data], want)
+    torch.testing.assert_close(torch.tensor([item.embedding for item in default.data]),
+                               torch.tensor([item.embedding for item in floats.data]), atol=1e-5, rtol=0)
+    management = openai.OpenAI(base_url=base_url, api_key=server.key("management"), max_retries=0, timeout=120)
+    with pytest.raises((openai.AuthenticationError, openai.BadRequestError)) as refused:
+        management.embeddings.create(model="minilm", input="hello")
+    assert "Token Authorization failed" in str(refused.value)
+    with pytest.raises(openai.NotFoundError) as elsewhere:
+        client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hello"}])
+    assert f"serves nothing at 'v1/chat/completions' after its version; send to /predictions/minilm[/<version>] or " \
+           f"/predictions/minilm/{version}/v1/embeddings" in str(elsewhere.value), elsewhere.value
+
+
 def concurrently(server, bodies: list, model: str = "minilm") -> list[tuple[int, object]]:
     """(status, answer) per body, all sent at once so that TorchServe batches them server-side."""
     barrier = threading.Barrier(len(bodies))

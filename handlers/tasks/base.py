@@ -65,6 +65,9 @@ class Task(ABC):
     row_outputs: ClassVar[bool] = False
     encodes_texts: ClassVar[bool] = False  # preprocess tokenizes a batch of plain texts through the BatchEncoder
     runs_one_forward: ClassVar[bool] = True  # ``run`` is one forward of ``inputs`` (generation loops: False)
+    # Paths under the model's URL the task also answers, for clients that append their own (OpenAI's SDK posts to
+    # <base_url>/embeddings); a request to any other is refused (404) rather than answered as if sent to the URL.
+    paths: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def facts(cls) -> TaskFacts:

@@ -4,11 +4,14 @@ Accepted bodies, each answered in the shape its clients expect:
 
 * raw text, or ``{"text": "..."}``            -> ``{"embedding": [...]}``
 * ``{"inputs": "..." | ["...", ...]}``         -> ``{"embeddings": [[...], ...]}``
-* ``{"input": "..." | ["...", ...]}`` (OpenAI) -> ``{"object": "list", "data": [...], "model", "usage"}``
+* ``{"input": "..." | ["...", ...]}`` (OpenAI) -> ``{"object": "list", "data": [...], "model", "usage"}``, each
+  embedding a list of floats or, with ``"encoding_format": "base64"`` (what the OpenAI SDK sends unless told
+  otherwise), the base64 of its float32 bytes, little-endian, as OpenAI's API answers
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from handlers.tasks.base import Encoded, Task, gate_threshold
 
 # Keys OpenAI clients send beside "input"; only what changes the answer is checked.
 OPENAI_EXTRA_KEYS = frozenset({"model", "encoding_format", "user"})
+ENCODING_FORMATS = ("float", "base64")  # OpenAI's two: a list of numbers, or base64 of the float32 bytes
 
 
 class Style(str, enum.Enum):
@@ -37,6 +41,7 @@ class Style(str, enum.Enum):
 class EmbeddingRequest:
     texts: tuple[str, ...]
     style: Style
+    base64: bool = False  # OpenAI's encoding_format "base64"
 
 
 class MeanPooledEmbedder(torch.nn.Module):
@@ -78,6 +83,7 @@ class EmbeddingsTask(Task):
     encodes_texts = True
     model_class = transformers.AutoModel
     default_too_long = TooLong.TRUNCATE  # as sentence-transformers encodes
+    paths = ("v1/embeddings", "embeddings")  # OpenAI clients with base_url .../<version>/v1 (or .../<version>)
 
     @classmethod
     def quality_gate(cls, dtype: DType, overrides: Mapping[str, float]) -> CosineGate:
@@ -103,12 +109,13 @@ class EmbeddingsTask(Task):
         unknown = sorted(str(key) for key in body if key not in allowed)
         if unknown:
             raise InvalidInput(f"unknown key(s) {', '.join(unknown)}; allowed here: {', '.join(sorted(allowed))}")
-        if style is Style.OPENAI and body.get("encoding_format", "float") != "float":
-            raise InvalidInput(f"encoding_format {body['encoding_format']!r} is not supported; use \"float\"")
+        encoding = body.get("encoding_format", "float") if style is Style.OPENAI else "float"
+        if encoding not in ENCODING_FORMATS:
+            raise InvalidInput(f"encoding_format {encoding!r} is not supported; use \"float\" or \"base64\"")
         value = body[style.value]
         if style is Style.TEXT and not isinstance(value, str):
             raise InvalidInput(f'"text" must be a string, got {type(value).__name__}; send a list as "inputs"')
-        return EmbeddingRequest(self.texts_of(value, f'"{style.value}"'), style)
+        return EmbeddingRequest(self.texts_of(value, f'"{style.value}"'), style, base64=encoding == "base64")
 
     def to_open_inference(self, answer: Any, body: Any) -> list[dict[str, Any]]:
         return open_inference.to_tensors(self.open_inference_output, answer["embeddings"])  # FP32 [n, dim]
@@ -119,16 +126,19 @@ class EmbeddingsTask(Task):
     def postprocess(
         self, outputs: torch.Tensor, encoded: Encoded, requests: Sequence[EmbeddingRequest]
     ) -> list[dict[str, Any]]:
-        vectors = outputs.float().cpu().tolist()
+        rows = outputs.float().cpu()
+        vectors = [] if all(request.base64 for request in requests) else rows.tolist()
         tokens = encoded.inputs["attention_mask"].sum(dim=1).tolist()
         answers, start = [], 0
         for request in requests:
             end = start + len(request.texts)
-            answers.append(self._answer(request, vectors[start:end], sum(tokens[start:end])))
+            served = _base64_rows(rows[start:end]) if request.base64 else vectors[start:end]
+            answers.append(self._answer(request, served, sum(tokens[start:end])))
             start = end
         return answers
 
-    def _answer(self, request: EmbeddingRequest, vectors: list[list[float]], tokens: int) -> dict[str, Any]:
+    def _answer(self, request: EmbeddingRequest, vectors: list[Any], tokens: int) -> dict[str, Any]:
+        """``vectors``: a list of floats for each text, or its base64 string."""
         if request.style is Style.TEXT:
             return {"embedding": vectors[0]}
         if request.style is Style.INPUTS:
@@ -139,3 +149,9 @@ class EmbeddingsTask(Task):
             "model": self.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
+
+
+def _base64_rows(rows: torch.Tensor) -> list[str]:
+    """Each row as OpenAI's base64 encoding answers it: its float32 values' bytes, little-endian, in base64 (a
+    about a quarter of the JSON list's size, and the exact float32 values)."""
+    return [base64.b64encode(row.numpy().astype("<f4", copy=False).tobytes()).decode("ascii") for row in rows]
