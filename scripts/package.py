@@ -110,11 +110,31 @@ def check_weights(model_dir: Path) -> None:
                          "safetensors only: re-save with model.save_pretrained(dir), which writes safetensors")
 
 
+def check_pooling(model_dir: Path, config: Path) -> None:
+    """Refuse an embeddings model whose sentence-transformers modules the worker would refuse at load
+    (handlers/pooling.py: a Dense module, an unknown pooling mode): its answers would not be the model's."""
+    import yaml
+
+    from handlers import pooling
+    from handlers.errors import ModelLoadError
+
+    section = (yaml.safe_load(config.read_text()) or {}).get("pt2_handlers") or {}
+    if section.get("task", "embeddings") != "embeddings":
+        return
+    try:
+        found = pooling.read(model_dir)
+    except ModelLoadError as exc:
+        raise SystemExit(f"refusing to build an archive: {exc.message}") from exc
+    print(f"[package] embeddings pooling: {'+'.join(mode.value for mode in found.modes)}"
+          f"{', L2-normalised' if found.normalize else ''} ({found.source})", flush=True)
+
+
 def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",
           extra_files: tuple[Path, ...] = (), archive_format: str = DEFAULT_FORMAT) -> Path:
     check_name(name)
     check_weights(model_dir)
     check_config(config, extra_files)
+    check_pooling(model_dir, config)
     started = time.perf_counter()
     export_path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-stage-") as tmp:

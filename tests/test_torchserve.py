@@ -132,6 +132,22 @@ def test_package_refuses_a_model_with_only_pickled_weights(tmp_path, tiny_bert_d
     assert not (tmp_path / "store").exists()
 
 
+def test_package_refuses_an_embeddings_model_with_a_module_the_worker_would_not_compute(tmp_path, tiny_bert_dir):
+    import shutil
+
+    import package
+
+    model = shutil.copytree(tiny_bert_dir, tmp_path / "dense")
+    (model / "modules.json").write_text(json.dumps([
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(SystemExit, match=r"lists sentence_transformers\.models\.Dense \(2_Dense\): pt2-handlers "
+                                         "computes a Transformer, Pooling and Normalize only"):
+        package.build("dense", model, REPO / "model_configs" / "minilm-embeddings.yaml", tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
 def test_package_refuses_a_model_yaml_the_worker_would_reject(tmp_path, minilm_dir):
     import package
 

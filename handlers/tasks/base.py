@@ -10,6 +10,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -80,7 +81,9 @@ class Task(ABC):
         ConfigError for a threshold out of range."""
 
     def __init__(self, tokenizer: Any, max_length: int, max_inputs: int, model_name: str,
-                 too_long: TooLong | None = None):
+                 too_long: TooLong | None = None, model_dir: Path | None = None):
+        """``model_dir``: the save_pretrained directory, for what a task reads there beside the weights and the
+        tokenizer (embeddings: its pooling); None reads nothing there."""
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_inputs = max_inputs
@@ -128,6 +131,10 @@ class Task(ABC):
     def describe_inputs(self) -> dict[str, Any]:
         """The input limits a client must respect, for describe."""
         return {"max_length": self.max_length, "too_long": self.too_long.value, "max_per_request": self.max_inputs}
+
+    def describe_outputs(self) -> dict[str, Any] | None:
+        """What decides the answers beside the forward, for describe (embeddings: the pooling); None: nothing."""
+        return None
 
     def texts_of(self, value: Any, where: str) -> tuple[str, ...]:
         """A string or a non-empty list of at most ``max_inputs`` strings, as a tuple, each within the length

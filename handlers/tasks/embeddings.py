@@ -1,4 +1,6 @@
-"""Sentence embeddings: mean pooling over the attention mask, then L2 normalisation (sentence-transformers).
+"""Sentence embeddings as sentence-transformers computes them for the model: its pooling (the mean over the attention
+mask for all-MiniLM, the CLS token for BGE, ...) and its L2 normalisation, read from the model directory
+(handlers/pooling.py).
 
 Accepted bodies, each answered in the shape its clients expect:
 
@@ -13,18 +15,22 @@ from __future__ import annotations
 
 import base64
 import enum
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
-from handlers import open_inference
+from handlers import open_inference, pooling
 from handlers.config import DType, TooLong
 from handlers.errors import InvalidInput
 from handlers.ladder import QualityError, QualityGate, tensors
 from handlers.tasks.base import Encoded, Task, gate_threshold
+
+logger = logging.getLogger(__name__)
 
 # Keys OpenAI clients send beside "input"; only what changes the answer is checked.
 OPENAI_EXTRA_KEYS = frozenset({"model", "encoding_format", "user"})
@@ -44,18 +50,17 @@ class EmbeddingRequest:
     base64: bool = False  # OpenAI's encoding_format "base64"
 
 
-class MeanPooledEmbedder(torch.nn.Module):
-    """Encoder + masked mean pooling + L2 norm, so compile and the quality gate cover what clients receive."""
+class PooledEmbedder(torch.nn.Module):
+    """Encoder + the model's pooling (+ its L2 norm), so compile and the quality gate cover what clients receive."""
 
-    def __init__(self, encoder: torch.nn.Module):
+    def __init__(self, encoder: torch.nn.Module, pooled: pooling.Pooling = pooling.MEAN_NORMALIZED):
         super().__init__()
         self.encoder = encoder
+        self.pooling = pooled
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return self.pooling(hidden, attention_mask)
 
 
 class CosineGate(QualityGate):
@@ -91,8 +96,17 @@ class EmbeddingsTask(Task):
         int8 ones."""
         return CosineGate(gate_threshold(dtype, overrides, cls.facts().gate))
 
+    def __init__(self, *args: Any, model_dir: Path | None = None, **kwargs: Any):
+        super().__init__(*args, model_dir=model_dir, **kwargs)
+        self.pooling = pooling.read(model_dir) if model_dir is not None else pooling.MEAN_NORMALIZED
+        logger.info("embeddings: pooling %s, %s (%s)", "+".join(mode.value for mode in self.pooling.modes),
+                    "L2-normalised" if self.pooling.normalize else "not normalised", self.pooling.source)
+
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        return MeanPooledEmbedder(model).eval()
+        return PooledEmbedder(model, self.pooling).eval()
+
+    def describe_outputs(self) -> dict[str, Any]:
+        return {"pooling": self.pooling.describe()}
 
     def parse(self, body: Any) -> EmbeddingRequest:
         if isinstance(body, str):
