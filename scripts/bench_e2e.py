@@ -21,8 +21,9 @@ More rows, same load, same run (each gets its own row in the CSV, PNG and table,
                                 (repeatable), e.g. --extra-archive int8=model_configs/minilm-embeddings-int8.yaml
     --scale NAME=WORKERS        once READY, scale that archive to WORKERS workers through the management API, as an
                                 operator would (the model YAML's minWorkers stays what it was), e.g. --scale int8=2
-    --openai NAME               that archive once more as OpenAI's SDK calls it: the same texts in the SDK's default
-                                request (base64 answers, at .../<version>/v1/embeddings), a row NAME+openai
+    --openai NAME               that archive (or peer) once more as OpenAI's SDK calls it: the same texts in the
+                                SDK's default request (base64 answers; an archive's at .../<version>/v1/embeddings),
+                                a row NAME+openai
     --peers infinity-torch infinity-optimum
                                 the Infinity embedding server (scripts/peers.py) on the same directory, 127.0.0.1,
                                 mean pooling, batch size 32, from its own venv (scripts/setup.sh --profile infinity,
@@ -106,9 +107,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scale", nargs="+", default=[], metavar="NAME=WORKERS", type=scale_arg,
                         help="once READY, scale these archives through the management API (minWorkers stays)")
     parser.add_argument("--openai", nargs="+", default=[], metavar="NAME",
-                        help="also time these archives as OpenAI's SDK calls them: the same texts in its default "
-                             "request ({\"input\", \"model\", \"encoding_format\": \"base64\"} to "
-                             ".../<version>/v1/embeddings), a row NAME+openai each")
+                        help="also time these archives (or --peers) as OpenAI's SDK calls them: the same texts in "
+                             "its default request ({\"input\", \"model\", \"encoding_format\": \"base64\"}; an "
+                             "archive at .../<version>/v1/embeddings), a row NAME+openai each")
     parser.add_argument("--peers", nargs="+", default=[], choices=peers.PEERS,
                         help="also time these servers on the same model directory (scripts/peers.py)")
     parser.add_argument("--peer-batch-size", type=int, default=32, help="the peers' --batch-size")
@@ -123,8 +124,8 @@ def parse_args() -> argparse.Namespace:
     unknown = {name for name, _ in args.scale} - {OURS, BASELINE, *names}
     if unknown:
         parser.error(f"--scale: no archive named {sorted(unknown)}")
-    if set(args.openai) - {OURS, *names}:
-        parser.error(f"--openai: no archive of ours named {sorted(set(args.openai) - {OURS, *names})}")
+    if set(args.openai) - {OURS, *names, *args.peers}:
+        parser.error(f"--openai: no archive or peer named {sorted(set(args.openai) - {OURS, *names, *args.peers})}")
     if len(set(names)) != len(names) or set(names) & {OURS, BASELINE, *peers.PEERS}:
         parser.error(f"--extra-archive names must be unique and not {OURS}, {BASELINE} or a peer: {names}")
     return args
@@ -259,7 +260,7 @@ OPENAI_ROW = "+openai"  # the suffix of an --openai row's name
 def label(name: str) -> str:
     """The legend's and the table's name of a system: an --extra-archive is "pt2-handlers (NAME)"."""
     if name.endswith(OPENAI_ROW):
-        return f"pt2-handlers ({name.removesuffix(OPENAI_ROW)}, OpenAI SDK's base64)"
+        return f"{label(name.removesuffix(OPENAI_ROW))} via OpenAI's SDK (base64)"
     return LABELS.get(name, f"pt2-handlers ({name})")
 
 
@@ -277,6 +278,12 @@ def openai_target(server: tsctl.Server, model: str) -> Target:
     return Target(model + OPENAI_ROW, server.inference_url, server.key("inference") or "",
                   f"/predictions/{model}/{version}/v1/embeddings",
                   lambda text: {"input": text, "model": model, "encoding_format": "base64"})
+
+
+def openai_peer_target(peer: Target) -> Target:
+    """A peer as OpenAI's SDK calls it: its own body, answered in base64 (Infinity serves OpenAI's encoding_format)."""
+    return Target(peer.name + OPENAI_ROW, peer.url, peer.key, peer.path,
+                  lambda text: {**peer.body(text), "encoding_format": "base64"})
 
 
 def peer_target(peer: peers.InfinityPeer) -> Target:
@@ -427,7 +434,8 @@ def bench(server: tsctl.Server, args: argparse.Namespace, tokenizer: Any,
     sample, warm, rng = untimed_texts(words, args)
     archives = archive_names(args)
     targets = [*(archive_target(server, name) for name in archives),
-               *(openai_target(server, name) for name in args.openai), *peer_targets]
+               *(openai_target(server, name) for name in args.openai if name in archives), *peer_targets,
+               *(openai_peer_target(peer) for peer in peer_targets if peer.name in args.openai)]
     for target in targets:
         result = send_texts(target, warm, min(4, max(args.concurrency)))
         log(f"warm-up {target.name}: {len(result['latencies'])} ok, {len(result['errors'])} errors")
