@@ -131,15 +131,17 @@ def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, 
     pid = meta["workers"][0]["pid"]
     rng = random.Random(seed)
     bad = bad_cases(task, meta["customizedMetadata"]["inputs"])
-    plan: list[tuple[bytes, str | None, int]] = []  # body, content type, expected status
+    # body, content type, the path after /predictions/<model> ("" for none), expected status
+    plan: list[tuple[bytes, str | None, str, int]] = []
     for index, text in enumerate(mixed_texts(requests, rng)):
         if index % bad_every == bad_every - 1:
             case = bad[index // bad_every % len(bad)]
-            plan.append((case.body, case.content_type, case.status))
+            path = f"{meta['modelVersion']}/{case.path}" if case.path else ""
+            plan.append((case.body, case.content_type, path, case.status))
         else:
-            plan.append((json.dumps(spec.good(text)).encode(), "application/json", 200))
-    for body, content_type, _ in plan[:warmup]:  # warmup: allocator pools and caches settle
-        hostile_inputs.send(server, model, body, content_type)
+            plan.append((json.dumps(spec.good(text)).encode(), "application/json", "", 200))
+    for body, content_type, path, _ in plan[:warmup]:  # warmup: allocator pools and caches settle
+        hostile_inputs.send(server, model, body, content_type, path)
     progress(f"[soak] {model} ({task}, {dtype}, worker pid {pid}): {len(plan)} requests at concurrency "
              f"{concurrency}, 1 in {bad_every} bad, after {warmup} warmup requests")
     answers: list[hostile_inputs.Answer | None] = [None] * len(plan)
@@ -149,7 +151,7 @@ def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, 
     started = time.monotonic()
 
     def one(index: int) -> None:
-        answers[index] = hostile_inputs.send(server, model, plan[index][0], plan[index][1])
+        answers[index] = hostile_inputs.send(server, model, *plan[index][:3])
         with lock:
             done[0] += 1
             if done[0] % max(1, len(plan) // 10) == 0:
@@ -171,9 +173,9 @@ def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, 
 def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample], dtype: str, sample_every: int,
           max_rss_growth: float, progress: Callable[[str], None]) -> dict[str, Any]:
     problems = []
-    wrong_status = [(i, answers[i][0], answers[i][1][:120]) for i, (_, _, want) in enumerate(plan)
+    wrong_status = [(i, answers[i][0], answers[i][1][:120]) for i, (*_, want) in enumerate(plan)
                     if answers[i] is None or answers[i][0] != want]
-    good = [i for i, (_, _, want) in enumerate(plan) if want == 200]
+    good = [i for i, (*_, want) in enumerate(plan) if want == 200]
     if wrong_status:
         problems.append(f"{len(wrong_status)} requests got an unexpected status, e.g. {wrong_status[:3]}")
     checked = [i for i in good[::sample_every] if answers[i] is not None and answers[i][0] == 200]
