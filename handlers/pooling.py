@@ -55,6 +55,11 @@ class Pooling:
     def describe(self) -> dict[str, Any]:
         return {"modes": [mode.value for mode in self.modes], "normalize": self.normalize, "from": self.source}
 
+    def summary(self) -> str:
+        """One line for logs: ``cls, L2-normalised (1_Pooling/config.json and modules.json ...)``."""
+        return (f"{'+'.join(mode.value for mode in self.modes)}, "
+                f"{'L2-normalised' if self.normalize else 'not normalised'} ({self.source})")
+
 
 # What a directory without modules.json gets (a plain save_pretrained).
 MEAN_NORMALIZED = Pooling()

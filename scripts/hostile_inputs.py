@@ -45,6 +45,10 @@ class Case:
     says: str | None  # a fragment of the JSON error's message; None: no JSON body (TorchServe's own 413)
     path: str = ""  # sent to /predictions/<model>/<version>/<path>; "": to /predictions/<model>
 
+    def after_model(self, version: str) -> str:
+        """What follows /predictions/<model> in this case's URL ("" for nothing)."""
+        return f"{version}/{self.path}" if self.path else ""
+
 
 Request = tuple[bytes, str | None, str]  # body, Content-Type, the path after /predictions/<model> ("" for none)
 Answer = tuple[int | None, bytes]  # status (None: the connection failed), body
@@ -277,8 +281,7 @@ def check(server: tsctl.Server, model: str, max_request_size: int = DEFAULT_MAX_
                 if status != 200]
     hostile = cases(task, meta["inputs"], max_request_size)
     version = before["modelVersion"]
-    results = at_once(server, model, [(c.body, c.content_type, f"{version}/{c.path}" if c.path else "")
-                                      for c in hostile] + goods)
+    results = at_once(server, model, [(c.body, c.content_type, c.after_model(version)) for c in hostile] + goods)
     outcomes = [Outcome(case, status, raw, judge(case, status, raw))
                 for case, (status, raw) in zip(hostile, results, strict=False)]
     problems += [f"{o.case.kind}: {o.problem}" for o in outcomes if o.problem]

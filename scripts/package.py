@@ -125,8 +125,7 @@ def check_pooling(model_dir: Path, config: Path) -> None:
         found = pooling.read(model_dir)
     except ModelLoadError as exc:
         raise SystemExit(f"refusing to build an archive: {exc.message}") from exc
-    print(f"[package] embeddings pooling: {'+'.join(mode.value for mode in found.modes)}"
-          f"{', L2-normalised' if found.normalize else ''} ({found.source})", flush=True)
+    print(f"[package] embeddings pooling: {found.summary()}", flush=True)
 
 
 def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",

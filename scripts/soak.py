@@ -136,8 +136,7 @@ def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, 
     for index, text in enumerate(mixed_texts(requests, rng)):
         if index % bad_every == bad_every - 1:
             case = bad[index // bad_every % len(bad)]
-            path = f"{meta['modelVersion']}/{case.path}" if case.path else ""
-            plan.append((case.body, case.content_type, path, case.status))
+            plan.append((case.body, case.content_type, case.after_model(meta["modelVersion"]), case.status))
         else:
             plan.append((json.dumps(spec.good(text)).encode(), "application/json", "", 200))
     for body, content_type, path, _ in plan[:warmup]:  # warmup: allocator pools and caches settle

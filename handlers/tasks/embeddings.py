@@ -99,8 +99,7 @@ class EmbeddingsTask(Task):
     def __init__(self, *args: Any, model_dir: Path | None = None, **kwargs: Any):
         super().__init__(*args, model_dir=model_dir, **kwargs)
         self.pooling = pooling.read(model_dir) if model_dir is not None else pooling.MEAN_NORMALIZED
-        logger.info("embeddings: pooling %s, %s (%s)", "+".join(mode.value for mode in self.pooling.modes),
-                    "L2-normalised" if self.pooling.normalize else "not normalised", self.pooling.source)
+        logger.info("embeddings: pooling %s", self.pooling.summary())
 
     def build_module(self, model: torch.nn.Module) -> torch.nn.Module:
         return PooledEmbedder(model, self.pooling).eval()
@@ -166,6 +165,6 @@ class EmbeddingsTask(Task):
 
 
 def _base64_rows(rows: torch.Tensor) -> list[str]:
-    """Each row as OpenAI's base64 encoding answers it: its float32 values' bytes, little-endian, in base64 (a
-    about a quarter of the JSON list's size, and the exact float32 values)."""
+    """Each row as OpenAI's base64 encoding answers it: its float32 values' bytes, little-endian, in base64 (about a
+    quarter of the JSON list's size, and the exact float32 values)."""
     return [base64.b64encode(row.numpy().astype("<f4", copy=False).tobytes()).decode("ascii") for row in rows]
