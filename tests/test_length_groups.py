@@ -162,7 +162,8 @@ def test_the_engine_fits_its_cost_model_at_load_and_describes_it(minilm_dir, mon
         "ladder": ["eager"], "dtype": "float32", "max_inputs_per_request": 8,
         "shapes": {"policy": "dynamic", "batch_sizes": [1, 4], "seq_lengths": [16, 64, 128]}}})
     engine.load()
-    assert engine.length_cost is not None  # fitted from the 6 warmup shapes
+    # Fitted from the 6 warmup shapes; if not, describe says why (a busy machine, times that fit no model).
+    assert engine.length_cost is not None, engine.describe()["optimization"]["length_groups"]
     assert engine.length_cost.token_ms > 0 and engine.length_cost.worst_error <= MAX_FIT_ERROR
     assert engine.describe()["optimization"]["length_groups"] == engine.length_cost.describe()
 
