@@ -4,8 +4,10 @@ PyTorch's CPU attention (SDPA's flash kernel) cuts every head into blocks of 32 
 calls per block; at BERT's head size (32-64) and a few hundred tokens the calls cost more than their arithmetic: in
 MiniLM's int8 forward at 8 x 128 tokens, 6 attention calls took 2.66 ms each, a third of the forward. The kernel here
 runs a whole (batch, head) at once, in registers and L1, with bf16 dot products where the CPU has them and the
-inputs are bf16 already (float32 inputs are never rounded): about a third of SDPA's time per call; the int8 archive
-served 5-25 % more at 16 clients (docs/performance.md: a fused attention kernel, and its softmax in one pass).
+inputs are bf16 already (float32 queries and keys are never rounded): about a third of SDPA's time per call; the int8
+archive served 5-25 % more at 16 clients (docs/performance.md: a fused attention kernel, and its softmax in one
+pass). On a CPU with AMX its two products run on AMX tiles, 16 queries at a time (float32 values as two bf16 halves,
+good to ~2^-16): half the AVX-512 path's time at 8 x 128 tokens; describe's ``instructions`` says which path runs.
 
 ``use_in_compiled_graphs`` builds it with the machine's C++ compiler (kept under a build directory, beside the
 compile cache, for the next worker), registers it with torch and transformers, and points the model's attention at
@@ -49,9 +51,11 @@ class Outcome:
 
     fused: bool
     reason: str
+    instructions: str | None = None  # the kernel's for bf16 heads here: amx_bf16, avx512_bf16 or avx512f
 
     def describe(self) -> dict[str, Any]:
-        return {"kernel": IMPLEMENTATION if self.fused else "sdpa", "reason": self.reason}
+        kernel = {"kernel": IMPLEMENTATION if self.fused else "sdpa", "reason": self.reason}
+        return kernel | ({"instructions": self.instructions} if self.instructions else {})
 
 
 def use_in_compiled_graphs(model: torch.nn.Module, device: torch.device, build_dir: Path | None, *, wanted: bool,
@@ -69,7 +73,7 @@ def use_in_compiled_graphs(model: torch.nn.Module, device: torch.device, build_d
     except (ValueError, AttributeError, NotImplementedError) as exc:  # an architecture without attention functions
         return Outcome(False, f"the model takes no attention function ({_first_line(exc)}): SDPA")
     return Outcome(True, "non-causal attention in compiled graphs runs pt2-handlers' fused kernel; eager forwards "
-                         "run SDPA")
+                         "run SDPA", torch.ops.pt2_handlers.fused_attention_isa())
 
 
 def _why_not(model: torch.nn.Module, device: torch.device, wanted: bool, causal: bool) -> str | None:
@@ -126,7 +130,8 @@ def _why_not_loaded(build_dir: Path | None) -> str | None:
         assert build_dir is not None  # _why_not_traced
         library = build(build_dir)
         torch.ops.load_library(str(library))
-        torch.library.register_fake("pt2_handlers::fused_attention")(_shape_of_output)
+        for name in ("fused_attention", "fused_attention_avx512"):
+            torch.library.register_fake(f"pt2_handlers::{name}")(_shape_of_output)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"the kernel did not build or load ({_first_line(exc)}): SDPA"
     return None

@@ -28,6 +28,8 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     handlers.module_guards; these keep them),
     compile-dynamic-{fp32,bf16}-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those with attention as SDPA, where
     every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
+    compile-dynamic-bf16-frozen-avx512attn, pt2e-static-int8-bf16-measured-cpp-avx512attn (the kernel held to its
+    AVX-512 path: on a CPU with AMX, the others run its AMX tiles),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
     which its rows report),
@@ -143,6 +145,11 @@ VARIANTS = (
     Variant("compile-dynamic-fp32-sdpa", "compile", "float32", dynamic=True, attention="sdpa"),
     Variant("pt2e-static-int8-bf16-measured-cpp-sdpa", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, attention="sdpa"),
+    # ... and with the fused kernel held to AVX-512 (on a CPU with AMX, against its AMX tiles; elsewhere the same).
+    Variant("compile-dynamic-bf16-frozen-avx512attn", "compile", "bfloat16", dynamic=True, freezing=True,
+            attention="fused-avx512"),
+    Variant("pt2e-static-int8-bf16-measured-cpp-avx512attn", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, attention="fused-avx512"),
     # max_autotune: inductor's C++ GEMM templates (AVX-512 / VNNI / AMX micro-kernels) raced against oneDNN and MKL
     # for each matmul at compile time; compiles far longer, once per cache.
     Variant("compile-dynamic-fp32-autotune", "compile", "float32", dynamic=True, max_autotune=True),
@@ -226,8 +233,8 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
     """A callable batch -> embeddings for ``variant``; raises Skip when it cannot run here."""
     import torch
 
-    if variant.kind in ("compile", "pt2e") and variant.attention == "auto":
-        module = with_fused_attention(module)
+    if variant.kind in ("compile", "pt2e") and variant.attention != "sdpa":
+        module = with_fused_attention(module, avx512_only=variant.attention == "fused-avx512")
     if variant.kind == "onnxruntime":
         return onnxruntime_runner(module, batches, threads, quantized=variant.dtype == "int8")
     if variant.kind == "pt2e":
@@ -259,9 +266,9 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
     return lambda batch: served(**batch)
 
 
-def with_fused_attention(module: Any) -> Any:
+def with_fused_attention(module: Any, avx512_only: bool = False) -> Any:
     """A copy of ``module`` whose compiled graphs run the fused attention kernel where the handler's would
-    (handlers.fused_attention; eager forwards stay on SDPA)."""
+    (handlers.fused_attention; eager forwards stay on SDPA); ``avx512_only``: its path without AMX tiles."""
     import torch
 
     from handlers import fused_attention
@@ -270,8 +277,32 @@ def with_fused_attention(module: Any) -> Any:
     outcome = fused_attention.use_in_compiled_graphs(
         copied.encoder, torch.device("cpu"), Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / fused_attention.DIRECTORY,
         wanted=True, causal=False, backends={"inductor"})
-    log(f"attention in compiled graphs: {outcome.describe()['kernel']} ({outcome.reason})")
+    if outcome.fused and avx512_only:
+        copied.encoder.set_attn_implementation(avx512_attention_implementation())
+    log(f"attention in compiled graphs: {outcome.describe()} {'(held to AVX-512)' if avx512_only else ''}")
     return copied
+
+
+def avx512_attention_implementation() -> str:
+    """A transformers attention implementation: handlers.fused_attention's, calling the kernel's AVX-512 path."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from handlers import fused_attention
+
+    def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
+                  dropout: float = 0.0, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and fused_attention.fits(module, query, key, value, attention_mask, dropout,
+                                                                  kwargs):
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            return torch.ops.pt2_handlers.fused_attention_avx512(query, key, value, attention_mask, scale), None
+        return fused_attention.attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+    name = f"{fused_attention.IMPLEMENTATION}_avx512"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, fused_attention.mask)
+    return name
 
 
 def compile_as_rung(module: Any, variant: Variant) -> Any:

@@ -17,10 +17,28 @@ needs_kernel = pytest.mark.fused_kernel
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+def built(tmp_path_factory):
     """The kernel built and loaded, whatever torch's dispatch level (the AVX2-held stage runs these too)."""
     assert fused_attention._why_not_loaded(tmp_path_factory.mktemp("fused-attention")) is None
+
+
+@pytest.fixture(scope="module")
+def kernel(built):
+    """The kernel as compiled graphs call it: on AMX tiles where the CPU has them."""
     return torch.ops.pt2_handlers.fused_attention
+
+
+@pytest.fixture(scope="module", params=["fused_attention", "fused_attention_avx512"],
+            ids=["as-called", "avx512-path"])
+def each_path(built, request):
+    """The kernel as called, and held to its AVX-512 path (the same path where the CPU has no AMX)."""
+    return getattr(torch.ops.pt2_handlers, request.param)
+
+
+def expected_instructions() -> str:
+    flags = hardware.linux_cpu_flags()
+    return ("amx_bf16" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16" if "avx512_bf16" in flags
+            else "avx512f")
 
 
 def heads(batch: int, length: int, heads_: int, size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -45,7 +63,8 @@ def sdpa(q, k, v, mask, scale) -> torch.Tensor:
                          ids=["fp32", "bf16", "mixed", "fp32-values"])
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "full-bool", "additive", "holes", "additive-inf"])
 @pytest.mark.parametrize("lengths", [(1, 1), (7, 7), (37, 37), (128, 128), (5, 70)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_kernel_equals_sdpa(kernel, size, dtypes, mask_kind, lengths):
+def test_kernel_equals_sdpa(each_path, size, dtypes, mask_kind, lengths):
+    kernel = each_path
     batch, queries, keys, n_heads = 3, *lengths, 2
     q = heads(batch, queries, n_heads, size, dtypes[0], 1)
     k, v = (heads(batch, keys, n_heads, size, dtype, seed) for dtype, seed in zip(dtypes[1:], (2, 3), strict=True))
@@ -77,9 +96,11 @@ def test_a_query_that_may_attend_to_nothing_gets_zeros(kernel):
 
 
 @needs_kernel
-def test_float32_values_are_not_rounded_to_bf16(kernel):
-    """An int8 model keeps sensitive value projections in float32: the kernel multiplies them as they are (bf16 dot
-    products only for the bf16 queries and keys), so the answer is SDPA's in float32, rounded once to bf16."""
+def test_float32_values_are_not_rounded_to_bf16(each_path):
+    """An int8 model keeps sensitive value projections in float32: the kernel multiplies them as they are (AVX-512:
+    bf16 dot products only for the bf16 queries and keys; AMX: values and probabilities as two bf16 halves each,
+    good to ~2^-16), so the answer is SDPA's in float32, rounded once to bf16."""
+    kernel = each_path
     q, k = (heads(2, 64, 2, 32, torch.bfloat16, seed) for seed in (1, 2))
     v = heads(2, 64, 2, 32, torch.float32, 3)
     want = sdpa(q, k, v, None, 0.18).to(torch.bfloat16).float()
@@ -88,6 +109,45 @@ def test_float32_values_are_not_rounded_to_bf16(kernel):
         with pytest.raises(AssertionError):
             torch.testing.assert_close(kernel(q, k, v.to(torch.bfloat16), None, 0.18).float(), want, atol=1e-3,
                                        rtol=2 ** -7)
+
+
+@needs_kernel
+def test_the_amx_path_answers_as_the_avx512_path(built):
+    """Same inputs, same roundings: where the CPU has AMX the two paths differ only in the order of float32 sums
+    (float32 values: by the ~2^-16 of their two bf16 halves), so within one bf16 step of each other; elsewhere they
+    are one path."""
+    for values in (torch.bfloat16, torch.float32):
+        q, k = (heads(4, 77, 3, 64, torch.bfloat16, seed) for seed in (1, 2))
+        v = heads(4, 77, 3, 64, values, 3)
+        mask = (torch.arange(77)[None, :] < torch.tensor([77, 60, 33, 1])[:, None])[:, None, None, :]
+        amx = torch.ops.pt2_handlers.fused_attention(q, k, v, mask, 0.125).float()
+        avx512 = torch.ops.pt2_handlers.fused_attention_avx512(q, k, v, mask, 0.125).float()
+        torch.testing.assert_close(amx, avx512, atol=2 ** -8, rtol=2 ** -7)
+        if expected_instructions() != "amx_bf16":
+            assert torch.equal(amx, avx512)
+
+
+@needs_kernel
+def test_torchs_own_amx_kernels_still_answer_after_the_kernel(built):
+    """On AMX the kernel loads its own tile configuration and puts the caller's back: torch's bf16 matmuls (oneDNN,
+    AMX where the CPU has it) and SDPA, run between its calls on the same threads, answer as before it ran."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 384).bfloat16(), torch.randn(1536, 384).bfloat16()
+    q, k, v = (heads(2, 128, 12, 32, torch.bfloat16, seed) for seed in (1, 2, 3))
+    with torch.inference_mode():
+        linear, attention = F.linear(x, w), F.scaled_dot_product_attention(q, k, v)
+        ours = torch.ops.pt2_handlers.fused_attention(q, k, v, None, 32 ** -0.5)
+        for _ in range(3):
+            assert torch.equal(torch.ops.pt2_handlers.fused_attention(q, k, v, None, 32 ** -0.5), ours)
+            assert torch.equal(F.linear(x, w), linear)
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v), attention)
+
+
+@needs_kernel
+def test_the_outcome_says_which_instructions_the_kernel_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # the AVX2-held stage too
+    outcome = choose(tiny_bert(), tmp_path)
+    assert outcome.fused and outcome.describe()["instructions"] == expected_instructions(), outcome
 
 
 @needs_kernel
