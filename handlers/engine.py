@@ -191,7 +191,7 @@ class Engine:
             wanted=settings.attention is Attention.AUTO, causal=task_class.facts().causal_attention,
             backends={rung.spec.backend for rung in rungs
                       if isinstance(rung, CompileRung) and rung.unavailable_reason() is None})
-        logger.info("attention in compiled graphs: %s (%s)", *self.attention.describe().values())
+        logger.info("attention in compiled graphs: %s", self.attention.summary())
         cache_before = compile_cache.use_counters()
         precisions: tuple[DType, ...] = self.precisions.value
         int8_weights = hardware.int8_weights()
@@ -200,7 +200,8 @@ class Engine:
                             calibration=self._int8_calibration(batches) if DType.INT8 in precisions else None,
                             half_must_pay=_picked_by_auto(precisions, settings.dtype),
                             memory=memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None,
-                            machine=hardware.machine(self.device, self.threads.value),
+                            # races kept per machine and attention kernel: a changed kernel races again
+                            machine=repr((hardware.machine(self.device, self.threads.value), self.attention.identity)),
                             thread_counts=self._thread_counts(), int8_weights=int8_weights,
                             module_guards_optional=settings.module_guards is ModuleGuards.AUTO)
         self.cache_use = compile_cache.use_since(cache_before)

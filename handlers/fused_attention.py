@@ -52,10 +52,23 @@ class Outcome:
     fused: bool
     reason: str
     instructions: str | None = None  # the kernel's for bf16 heads here: amx_bf16, avx512_bf16 or avx512f
+    source: str | None = None  # the kernel source's hash
+
+    @property
+    def identity(self) -> str:
+        """What the compiled forwards' speed depends on here: which kernel, its source, its instructions (races kept
+        between loads are keyed by it, so a changed kernel is raced again)."""
+        return " ".join(part for part in (IMPLEMENTATION if self.fused else "sdpa", self.source, self.instructions)
+                        if part)
 
     def describe(self) -> dict[str, Any]:
         kernel = {"kernel": IMPLEMENTATION if self.fused else "sdpa", "reason": self.reason}
         return kernel | ({"instructions": self.instructions} if self.instructions else {})
+
+    def summary(self) -> str:
+        """One line for the load log: the kernel, on which instructions, and why."""
+        on = f" on {self.instructions}" if self.instructions else ""
+        return f"{IMPLEMENTATION if self.fused else 'sdpa'}{on} ({self.reason})"
 
 
 def use_in_compiled_graphs(model: torch.nn.Module, device: torch.device, build_dir: Path | None, *, wanted: bool,
@@ -73,7 +86,8 @@ def use_in_compiled_graphs(model: torch.nn.Module, device: torch.device, build_d
     except (ValueError, AttributeError, NotImplementedError) as exc:  # an architecture without attention functions
         return Outcome(False, f"the model takes no attention function ({_first_line(exc)}): SDPA")
     return Outcome(True, "non-causal attention in compiled graphs runs pt2-handlers' fused kernel; eager forwards "
-                         "run SDPA", torch.ops.pt2_handlers.fused_attention_isa())
+                         "run SDPA", torch.ops.pt2_handlers.fused_attention_isa(),
+                   hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16])
 
 
 def _why_not(model: torch.nn.Module, device: torch.device, wanted: bool, causal: bool) -> str | None:

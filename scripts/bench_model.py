@@ -279,7 +279,7 @@ def with_fused_attention(module: Any, avx512_only: bool = False) -> Any:
         wanted=True, causal=False, backends={"inductor"})
     if outcome.fused and avx512_only:
         copied.encoder.set_attn_implementation(avx512_attention_implementation())
-    log(f"attention in compiled graphs: {outcome.describe()} {'(held to AVX-512)' if avx512_only else ''}")
+    log(f"attention in compiled graphs: {outcome.summary()}{' held to its AVX-512 path' if avx512_only else ''}")
     return copied
 
 

@@ -5,6 +5,8 @@ The kernel is AVX-512 code built with the machine's compiler: on a CPU without A
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import transformers
@@ -148,6 +150,9 @@ def test_the_outcome_says_which_instructions_the_kernel_runs(tmp_path, monkeypat
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # the AVX2-held stage too
     outcome = choose(tiny_bert(), tmp_path)
     assert outcome.fused and outcome.describe()["instructions"] == expected_instructions(), outcome
+    assert outcome.summary() == f"pt2_handlers_fused on {expected_instructions()} ({outcome.reason})"
+    source = hashlib.sha256(fused_attention.SOURCE.read_bytes()).hexdigest()[:16]
+    assert outcome.identity == f"pt2_handlers_fused {source} {expected_instructions()}"  # a changed kernel races again
 
 
 @needs_kernel
@@ -232,6 +237,8 @@ def test_left_on_sdpa_where_it_does_not_apply(tmp_path, overrides, reason):
     assert not outcome.fused and outcome.reason.startswith(reason), outcome
     assert model.config._attn_implementation == "sdpa"
     assert outcome.describe() == {"kernel": "sdpa", "reason": outcome.reason}
+    assert outcome.summary() == f"sdpa ({outcome.reason})"
+    assert outcome.identity == "sdpa"
 
 
 def test_left_on_sdpa_where_torch_is_held_below_avx512(tmp_path, monkeypatch):

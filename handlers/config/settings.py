@@ -309,7 +309,8 @@ class SettingsSection(Section):
     (embeddings, classification, token classification, question answering) runs pt2-handlers' fused kernel, built
     with the machine's C++ compiler at the first load (~10 s, kept beside the compile cache); it takes a whole
     head at once where PyTorch's CPU attention makes two small matrix calls per 32 queries (MiniLM's int8
-    archive: 5-25 % more requests per second at 16 clients). Elsewhere, and where it does not build: SDPA. Each
+    archive: 5-25 % more requests per second at 16 clients), on AMX tiles where the CPU has them (describe's
+    `optimization.attention.instructions`). Elsewhere, and where it does not build: SDPA. Each
     rung that uses it passes the quality gate against fp32 eager, which runs SDPA. `sdpa`: SDPA everywhere, as the
     model comes."""
     module_guards: one_of(ModuleGuards) = DEFAULTS.module_guards
