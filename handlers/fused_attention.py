@@ -137,6 +137,12 @@ def machine_cannot_build() -> str | None:
     return hardware.cpp_compiler_problem(torch.device("cpu"))
 
 
+def load(build_dir: Path) -> str | None:
+    """Build the kernel into ``build_dir`` (or reuse it) and load it into torch, as a load that uses it does (for
+    tests and benchmarks): why that failed, or None."""
+    return machine_cannot_build() or _why_not_loaded(build_dir)
+
+
 def _why_not_loaded(build_dir: Path | None) -> str | None:
     if _registered():
         return None

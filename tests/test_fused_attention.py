@@ -21,7 +21,7 @@ needs_kernel = pytest.mark.fused_kernel
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The kernel built and loaded, whatever torch's dispatch level (the AVX2-held stage runs these too)."""
-    assert fused_attention._why_not_loaded(tmp_path_factory.mktemp("fused-attention")) is None
+    assert fused_attention.load(tmp_path_factory.mktemp("fused-attention")) is None
 
 
 @pytest.fixture(scope="module")
