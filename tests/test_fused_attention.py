@@ -30,11 +30,15 @@ def kernel(built):
     return torch.ops.pt2_handlers.fused_attention
 
 
+def cpu_has_amx() -> bool:
+    """What the kernel's AMX path is built for (``-march=native`` defines __AMX_TILE__ and __AMX_BF16__)."""
+    return {"amx_tile", "amx_bf16"} <= hardware.linux_cpu_flags()
+
+
 def kernel_paths() -> list[str]:
     """The kernel as called, and where the CPU has AMX (which it then runs on) its AVX-512 path too: elsewhere that
     is the path called."""
-    amx = {"amx_tile", "amx_bf16"} <= hardware.linux_cpu_flags()
-    return ["fused_attention", "fused_attention_avx512"] if amx else ["fused_attention"]
+    return ["fused_attention", "fused_attention_avx512"] if cpu_has_amx() else ["fused_attention"]
 
 
 @pytest.fixture(scope="module", params=kernel_paths())
@@ -44,8 +48,7 @@ def each_path(built, request):
 
 
 def expected_instructions() -> str:
-    flags = hardware.linux_cpu_flags()
-    return ("amx_bf16" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16" if "avx512_bf16" in flags
+    return ("amx_bf16" if cpu_has_amx() else "avx512_bf16" if "avx512_bf16" in hardware.linux_cpu_flags()
             else "avx512f")
 
 
