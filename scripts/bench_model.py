@@ -30,6 +30,9 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
     compile-dynamic-bf16-frozen-avx512attn, pt2e-static-int8-bf16-measured-cpp-avx512attn (the kernel held to its
     AVX-512 path: on a CPU with AMX, the others run its AMX tiles),
+    compile-dynamic-fp32-autotune, compile-dynamic-bf16-frozen-autotune, pt2e-static-int8[-bf16]-measured-cpp-autotune
+    (inductor's max_autotune, tuned at the first shape timed; on CPU C, with AMX, the int8 one answered wrong:
+    its rows report the cosine),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
     which its rows report),
@@ -153,6 +156,11 @@ VARIANTS = (
     # max_autotune: inductor's C++ GEMM templates (AVX-512 / VNNI / AMX micro-kernels) raced against oneDNN and MKL
     # for each matmul at compile time; compiles far longer, once per cache.
     Variant("compile-dynamic-fp32-autotune", "compile", "float32", dynamic=True, max_autotune=True),
+    # ... on the shipped rungs' forms: on a CPU with AMX the templates' micro-kernels run the tiles
+    Variant("compile-dynamic-bf16-frozen-autotune", "compile", "bfloat16", dynamic=True, freezing=True,
+            max_autotune=True),
+    Variant("pt2e-static-int8-bf16-measured-cpp-autotune", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+            float_linears=MEASURED, cpp_wrapper=True, max_autotune=True),
     # shapes.small_batch_tokens: 32: batches of at most 32 tokens through a second graph, autotuned at 1 x 16
     Variant("compile-dynamic-fp32-frozen-small32", "compile", "float32", dynamic=True, freezing=True,
             small_batch_tokens=32),
