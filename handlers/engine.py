@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from handlers import (calibration, compile_cache, fused_attention, hardware, idle_cores, length_groups, memory,
-                      open_inference)
+                      open_inference, openmp_pause)
 from handlers.compile_cache import CacheDir
 from handlers.config import Attention, DType, HandlerConfig, ModuleGuards
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady, native_panic
@@ -95,6 +95,9 @@ class Engine:
         # fewer threads for a small forward after idle virtual cores (only where cores are shared forward by forward)
         self.idle_cores = idle_cores.for_cpu(hardware.linux_cpu_flags()) if self.cores is not None else None
         self._forward_ended: float | None = None  # time.monotonic() when this engine's last forward ended
+        # a model of several workers on shared cores ends its OpenMP threads after a forward (handlers.openmp_pause)
+        self.openmp_pause = openmp_pause.OpenMPPause() if self.cores is not None and config.workers > 1 else None
+        self.openmp_pauses = 0  # forwards after which it did
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
         self._guard: GuardedForward | None = None
@@ -392,13 +395,17 @@ class Engine:
         if self.idle_cores is not None:
             idle = None if self._forward_ended is None else time.monotonic() - self._forward_ended
             runs_at = self.idle_cores.counts(runs_at, tokens, idle)
+        threads = 1
         try:
             with self.cores.forward(runs_at) as grant:
-                if torch.get_num_threads() != grant.threads:
-                    torch.set_num_threads(grant.threads)
-                yield grant.threads
+                threads = grant.threads
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
+                yield threads
         finally:
             self._forward_ended = time.monotonic()
+            if self.openmp_pause is not None and threads > 1:
+                self.openmp_pauses += self.openmp_pause()
 
     def _thread_counts(self) -> tuple[int, ...]:
         """The thread counts a forward may be given: the count it loads with, and with shared cores every core
@@ -522,6 +529,11 @@ class Engine:
                 f"shared with the other workers on these {self.cores.cores} cores: all of them alone, an equal share "
                 f"while other workers hold batches or held them at once in the last {self.cores.remember_s:g}s"
                 + proven + ("" if self.idle_cores is None else f"; {self.idle_cores.describe()}"))
+        if self.openmp_pause is not None:
+            threads["openmp_after_forward"] = (
+                f"threads ended after each forward on more than one ({self.openmp_pauses} so far): the model's "
+                f"{self.config.workers} workers share these cores and take lone requests in turn"
+                if self.openmp_pause.available else f"threads left to spin: {self.openmp_pause.why_not}")
         return threads
 
 

@@ -1,0 +1,75 @@
+"""handlers.openmp_pause: a model of several workers on shared cores ends its OpenMP threads after each forward."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from handlers.openmp_pause import OpenMPPause
+from tests.test_core_share import LONG_TEXT
+from tests.test_embeddings import EAGER_ONLY, make_engine
+
+# In a process of its own, so that no other test's threads come and go while it counts: the process's threads after
+# a parallel region on two threads (its second one left spinning), after the pause, and after the next region.
+COUNT_THREADS = textwrap.dedent("""
+    import os, time
+    import torch
+    from handlers.openmp_pause import OpenMPPause
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    def after_pause(before):  # a thread ends a moment after it is told to
+        deadline = time.monotonic() + 5
+        while threads() >= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return threads()
+
+    torch.set_num_threads(2)
+    x = torch.arange(1 << 22, dtype=torch.float32)
+    total = float((x + 1).sum())
+    spinning = threads()
+    pause = OpenMPPause()
+    paused = pause()
+    ended = after_pause(spinning)
+    again = float((x + 1).sum())
+    print(spinning, paused, ended, threads(), total == again)
+""")
+
+
+def test_a_pause_ends_the_openmp_threads_and_the_next_parallel_region_starts_new_ones():
+    out = subprocess.run([sys.executable, "-c", COUNT_THREADS], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    spinning, paused, ended, again, same = out
+    assert paused == "True" and int(ended) == int(spinning) - 1, out  # the parallel region's second thread ended
+    assert int(again) == int(spinning) and same == "True", out
+
+
+def test_without_libgomp_in_the_process_the_pause_does_nothing_and_says_why(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 r-xp 00000000 00:00 0 /usr/lib/libc.so.6\n")
+    pause = OpenMPPause(maps)
+    assert not pause.available and "no libgomp" in pause.why_not and pause() is False
+    unreadable = OpenMPPause(tmp_path / "missing")
+    assert not unreadable.available and "cannot read" in unreadable.why_not
+
+
+def test_a_model_of_several_workers_ends_its_openmp_threads_after_a_forward_on_every_core(tiny_bert_dir):
+    engine = make_engine(tiny_bert_dir, {**EAGER_ONLY, "minWorkers": 2}, name="two-workers")  # threads: auto
+    engine.load()
+    assert engine.cores is not None and engine.openmp_pause is not None and engine.openmp_pause.available
+    assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]
+    assert engine.last_batch.threads == engine.cores.cores > 1  # alone on the cores: every one of them
+    assert engine.openmp_pauses == 1
+    said = engine.describe()["optimization"]["threads"]["openmp_after_forward"]
+    assert said.startswith("threads ended after each forward on more than one (1 so far)") and "2 workers" in said
+
+
+def test_a_model_of_one_worker_keeps_its_openmp_threads_spinning(tiny_bert_dir):
+    engine = make_engine(tiny_bert_dir, name="one-worker")
+    engine.load()
+    assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]
+    assert engine.openmp_pause is None and engine.openmp_pauses == 0
+    assert "openmp_after_forward" not in engine.describe()["optimization"]["threads"]
