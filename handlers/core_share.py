@@ -17,6 +17,9 @@ asks here how many threads it may run:
   forward by forward, 170 with one thread each). Requests one at a time never overlap, so they still get every core
   (but a small one after idleness on a virtual CPU: ``handlers.idle_cores``).
 
+Each forward also learns whether the one before it on these cores was another worker's: workers that take requests
+in turn end their OpenMP threads after a forward (``handlers.openmp_pause``), a worker alone keeps them spinning.
+
 Workers on these cores also take turns loading, whatever model they load (``loading``): started together (a
 model's ``minWorkers: 2``, or several models at server start), each measured its rungs, races and costs while the
 others compiled on the cores it needed, and none served until all were done. CPU D, cold: the int8 archive with
@@ -55,6 +58,7 @@ SLOTS = 16  # workers that can take part on one set of cores; a 17th runs on its
 _MUTEX = 0  # held while one worker reads the others and takes its threads
 _CONTENDED = 8  # written: when workers last held batches at once (time.monotonic, one clock per machine), and how many
 _CONTENDED_FORMAT = struct.Struct("<dB")
+_LAST_FORWARD = 20  # written: 1 + the slot of the worker whose forward began last (0: none yet)
 _FIRST_SLOT = 24
 _SLOT_BYTES = 5  # per slot, at these offsets:
 _OWNED = 0  # locked for the life of the process in the slot; written _CLAIMED once a process has claimed it
@@ -92,10 +96,12 @@ class Turn:
 
 @dataclass(frozen=True)
 class Grant:
-    """What one forward may run on, and how long it waited for it."""
+    """What one forward may run on, how long it waited for it, and whether the forward before it on these cores was
+    another worker's (workers that take requests in turn: the next one is likely another's too)."""
 
     threads: int
     waited_ms: float
+    after_another: bool = False
 
 
 class CoreShare:
@@ -143,11 +149,15 @@ class CoreShare:
                     if threads != self._threads_written:  # only this process writes its slot's byte
                         os.pwrite(self._fd, bytes([min(threads, 255)]), self._offset(_THREADS))
                         self._threads_written = threads
+                    last = state[_LAST_FORWARD - _CONTENDED]
+                    if last != self.slot + 1:  # a lone worker writes it once
+                        os.pwrite(self._fd, bytes([self.slot + 1]), _LAST_FORWARD)
                     self._take(_FORWARD)
                     break
             time.sleep(_WAIT_SECONDS)
         try:
-            yield Grant(threads, round((time.perf_counter() - started) * 1e3, 3))
+            yield Grant(threads, round((time.perf_counter() - started) * 1e3, 3),
+                        after_another=last not in (0, self.slot + 1))
         finally:
             self._give(_FORWARD)
 

@@ -95,8 +95,8 @@ class Engine:
         # fewer threads for a small forward after idle virtual cores (only where cores are shared forward by forward)
         self.idle_cores = idle_cores.for_cpu(hardware.linux_cpu_flags()) if self.cores is not None else None
         self._forward_ended: float | None = None  # time.monotonic() when this engine's last forward ended
-        # a model of several workers on shared cores ends its OpenMP threads after a forward (handlers.openmp_pause)
-        self.openmp_pause = openmp_pause.OpenMPPause() if self.cores is not None and config.workers > 1 else None
+        # on shared cores, a forward that followed another worker's ends its OpenMP threads (handlers.openmp_pause)
+        self.openmp_pause = openmp_pause.OpenMPPause() if self.cores is not None else None
         self.openmp_pauses = 0  # forwards after which it did
         self.shapes: ShapePolicy = config.settings.shapes
         self._task: Task | None = None
@@ -395,16 +395,16 @@ class Engine:
         if self.idle_cores is not None:
             idle = None if self._forward_ended is None else time.monotonic() - self._forward_ended
             runs_at = self.idle_cores.counts(runs_at, tokens, idle)
-        threads = 1
+        threads, after_another = 1, False
         try:
             with self.cores.forward(runs_at) as grant:
-                threads = grant.threads
+                threads, after_another = grant.threads, grant.after_another
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
                 yield threads
         finally:
             self._forward_ended = time.monotonic()
-            if self.openmp_pause is not None and threads > 1:
+            if self.openmp_pause is not None and threads > 1 and after_another:
                 self.openmp_pauses += self.openmp_pause()
 
     def _thread_counts(self) -> tuple[int, ...]:
@@ -531,8 +531,8 @@ class Engine:
                 + proven + ("" if self.idle_cores is None else f"; {self.idle_cores.describe()}"))
         if self.openmp_pause is not None:
             threads["openmp_after_forward"] = (
-                f"threads ended after each forward on more than one ({self.openmp_pauses} so far): the model's "
-                f"{self.config.workers} workers share these cores and take lone requests in turn"
+                f"threads ended after a forward on more than one that followed another worker's on these cores "
+                f"({self.openmp_pauses} so far): workers that take requests in turn; alone, left to spin"
                 if self.openmp_pause.available else f"threads left to spin: {self.openmp_pause.why_not}")
         return threads
 

@@ -1,12 +1,14 @@
-"""End this process's OpenMP threads after a forward, where other workers share its cores.
+"""End this process's OpenMP threads after a forward, where workers on its cores take requests in turn.
 
 After a parallel region libgomp's threads spin for about 3 ms before they sleep (``GOMP_SPINCOUNT``, read once when
 the process starts). A worker alone on its cores keeps that spin: it is what makes its next forward fast. Beside
-other workers it is the wrong way round: TorchServe hands lone requests to a model's workers in turn, so the next
-forward is usually a sibling's, and the spinning thread takes a core from it. Measured on CPU C (two int8 workers,
-lone short requests; docs/performance.md: OpenMP's pause): the worker's forward ran 2.65 ms over the model alone,
-against 1.06 ms with one worker; ending the threads after each forward took 1.5 ms off the client's p50 and 8.7 ms off
-its p99.
+other workers that take requests in turn it is the wrong way round: the next forward is usually a sibling's (TorchServe
+hands lone requests to a model's workers in turn), and the spinning thread takes a core from it. Measured on CPU C (two
+int8 workers, lone short requests; docs/performance.md: OpenMP's pause): the worker's forward ran 2.65 ms over the
+model alone, against 1.06 ms with one worker; ending the threads after each forward took 1.5 ms off the client's p50
+and 8.7 ms off its p99. So the engine pauses after a forward that followed another worker's on the same cores
+(``handlers.core_share`` tells it), whichever way the workers came: a YAML's ``minWorkers``, the management API's
+scale-up, another model's workers.
 
 ``omp_pause_resource_all`` (OpenMP 5.0) ends them at once; the next parallel region starts new ones. Only libgomp is
 looked for: it is the OpenMP runtime of torch's Linux wheels. Where the process has none loaded, or it lacks the

@@ -156,6 +156,18 @@ def test_the_other_worker_sees_this_ones_batch_and_forward(tmp_path, siblings):
         assert other.send("forward") == "granted 1"
 
 
+def test_a_forward_knows_whether_the_one_before_it_on_these_cores_was_another_workers(tmp_path, siblings):
+    mine, other = share(tmp_path), siblings()
+    for _ in range(2):  # the first on these cores, then after its own
+        with mine.batch(), mine.forward() as grant:
+            assert not grant.after_another
+    assert other.send("forward") == "granted 2" and other.send("end") == "ok"
+    with mine.batch(), mine.forward() as grant:
+        assert grant.after_another
+    with mine.batch(), mine.forward() as grant:
+        assert not grant.after_another
+
+
 def test_a_forward_waits_for_the_cores_a_running_forward_holds(tmp_path, siblings):
     """A sibling's forward on both cores (it was alone when it began): this one waits for it rather than put a third
     thread on two cores, then takes its share while the sibling still holds its batch."""
@@ -350,6 +362,31 @@ def test_an_engine_takes_its_share_of_the_cores_while_another_worker_holds_a_bat
     assert "cores" in engine.last_batch.milliseconds
     threads = engine.describe()["optimization"]["threads"]
     assert threads["per_forward"].startswith(f"shared with the other workers on these {cores.cores} cores"), threads
+
+
+def test_a_forward_that_followed_another_workers_ends_its_openmp_threads(tiny_bert_dir, siblings):
+    """handlers.openmp_pause, whichever way the other worker came (minWorkers, a scale-up, another model): this
+    engine's YAML has one worker."""
+    engine = make_engine(tiny_bert_dir, name="in-turn")  # threads: auto
+    engine.load()
+    cores = engine.cores
+    assert cores is not None and engine.openmp_pause is not None and engine.openmp_pause.available
+    assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]  # after whichever worker's came last (a test's)
+    paused = engine.openmp_pauses
+    assert engine.predict([{"text": f"after its own forward {LONG_TEXT}"}])[0]["embedding"]
+    assert engine.openmp_pauses == paused  # alone, its threads spin
+    other = siblings(cores.cores, cores.path)
+    assert other.send("batch") == "ok" and other.send("forward").startswith("granted ")
+    assert other.send("release") == "ok"
+    time.sleep(cores.remember_s)  # not overlapping: this forward runs on every core
+    assert engine.predict([{"text": f"after the sibling's forward {LONG_TEXT}"}])[0]["embedding"]
+    assert engine.last_batch.threads == cores.cores > 1
+    assert engine.openmp_pauses == paused + 1
+    assert engine.predict([{"text": f"after its own forward again {LONG_TEXT}"}])[0]["embedding"]
+    assert engine.openmp_pauses == paused + 1
+    said = engine.describe()["optimization"]["threads"]["openmp_after_forward"]
+    assert said.startswith("threads ended after a forward on more than one that followed another worker's"), said
+    assert f"({paused + 1} so far)" in said
 
 
 def test_threads_configured_are_the_threads_every_forward_runs(tiny_bert_dir):
