@@ -8,7 +8,9 @@ int8 workers, lone short requests; docs/performance.md: OpenMP's pause): the wor
 model alone, against 1.06 ms with one worker; ending the threads after each forward took 1.5 ms off the client's p50
 and 8.7 ms off its p99. So the engine pauses after a forward that followed another worker's on the same cores
 (``handlers.core_share`` tells it), whichever way the workers came: a YAML's ``minWorkers``, the management API's
-scale-up, another model's workers.
+scale-up, another model's workers. On CPU E (a Zen 5 EPYC, stop 71) the same two workers with and without it were
+level under load, and with lone requests it traded a lower p50 for a longer p90 (20-30 ms, likely the wake of a vCPU
+that went idle once the threads ended): kept, a gain on one hypervisor and no loss under load on the other.
 
 ``omp_pause_resource_all`` (OpenMP 5.0) ends them at once; the next parallel region starts new ones. Only libgomp is
 looked for: it is the OpenMP runtime of torch's Linux wheels. Where the process has none loaded, or it lacks the
