@@ -163,6 +163,8 @@ class Engine:
                             self.cores.cores)
             with _compile_processes(self.load_threads) if shared else nullcontext():
                 yield
+            if self.openmp_pause is not None:  # within the turn: no sibling loads meanwhile
+                self.openmp_pause.measure(self.cores.cores)
         self.cores.serves()
 
     def _load(self) -> None:
@@ -404,7 +406,7 @@ class Engine:
                 yield threads
         finally:
             self._forward_ended = time.monotonic()
-            if self.openmp_pause is not None and threads > 1 and after_another:
+            if self.openmp_pause is not None and self.openmp_pause.pays and threads > 1 and after_another:
                 self.openmp_pauses += self.openmp_pause()
 
     def _thread_counts(self) -> tuple[int, ...]:
@@ -533,7 +535,9 @@ class Engine:
             threads["openmp_after_forward"] = (
                 f"threads ended after a forward on more than one that followed another worker's on these cores "
                 f"({self.openmp_pauses} so far): workers that take requests in turn; alone, left to spin"
-                if self.openmp_pause.available else f"threads left to spin: {self.openmp_pause.why_not}")
+                + ("" if self.openmp_pause.restart_ms is None else
+                   f"; restarting them cost {self.openmp_pause.restart_ms:g} ms on average (measured at load)")
+                if self.openmp_pause.pays else f"threads left to spin: {self.openmp_pause.why_not}")
         return threads
 
 

@@ -8,9 +8,14 @@ int8 workers, lone short requests; docs/performance.md: OpenMP's pause): the wor
 model alone, against 1.06 ms with one worker; ending the threads after each forward took 1.5 ms off the client's p50
 and 8.7 ms off its p99. So the engine pauses after a forward that followed another worker's on the same cores
 (``handlers.core_share`` tells it), whichever way the workers came: a YAML's ``minWorkers``, the management API's
-scale-up, another model's workers. On CPU E (a Zen 5 EPYC, stop 71) the same two workers with and without it were
-level under load, and with lone requests it traded a lower p50 for a longer p90 (20-30 ms, likely the wake of a vCPU
-that went idle once the threads ended): kept, a gain on one hypervisor and no loss under load on the other.
+scale-up, another model's workers.
+
+Where starting the threads again costs more than their spin, the pause does not pay. On CPU E (a Zen 5 EPYC under
+KVM, stop 71) the first parallel region after a pause took 1-13 ms longer than after the threads had spun and slept
+(`docs/performance.md`: the restart's cost), and two workers that paused answered one lone request in ten or more
+after 20-30 ms, against 14-16 spinning. So at load (``measure``) a worker times a small parallel region on its
+threads after a pause and after its threads were left alone, and pauses only where the restart costs less than
+``RESTART_PAYS_MS`` on average; describe says which, with the cost.
 
 ``omp_pause_resource_all`` (OpenMP 5.0) ends them at once; the next parallel region starts new ones. Only libgomp is
 looked for: it is the OpenMP runtime of torch's Linux wheels. Where the process has none loaded, or it lacks the
@@ -20,10 +25,20 @@ call, ``pause`` does nothing and says so.
 from __future__ import annotations
 
 import ctypes
+import statistics
+import time
 from pathlib import Path
+
+import torch
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads end, the runtime's state stays
 _RUNTIME = "libgomp"
+# The pause pays where restarting the threads costs the next forward less than this on average: the spin it ends cost
+# a sibling's lone request ~1.5 ms on CPU C.
+RESTART_PAYS_MS = 1.0
+_TRIALS = 16  # of each, alternated: ~0.3 s at load
+_GAP_S = 0.005  # between two regions: past the spin, as between a worker's forwards when workers take turns
+_REGION_ELEMENTS = 1 << 20  # a region of ~0.2 ms on two threads
 
 
 class OpenMPPause:
@@ -32,6 +47,7 @@ class OpenMPPause:
     def __init__(self, maps: Path = Path("/proc/self/maps")):
         self._pause = None
         self.why_not: str | None = None
+        self.restart_ms: float | None = None  # measured: what a pause costs the next parallel region, on average
         try:
             path = next((line.split()[-1] for line in maps.read_text().splitlines()
                          if _RUNTIME in Path(line.split()[-1]).name), None)
@@ -51,6 +67,39 @@ class OpenMPPause:
     @property
     def available(self) -> bool:
         return self._pause is not None
+
+    @property
+    def pays(self) -> bool:
+        """Whether to pause: the call is there, and restarting the threads was not measured to cost too much."""
+        return self._pause is not None and self.why_not is None
+
+    def measure(self, threads: int, trials: int = _TRIALS, pays_below_ms: float | None = None) -> None:
+        """Time a small parallel region on ``threads`` threads after a pause and after the threads were left to spin
+        and sleep, alternated; where a pause costs it ``pays_below_ms`` (``RESTART_PAYS_MS``) or more on average,
+        ``pays`` turns False and ``why_not`` says what it cost."""
+        if self._pause is None or threads < 2:
+            return
+        bound = RESTART_PAYS_MS if pays_below_ms is None else pays_below_ms
+        work = torch.zeros(_REGION_ELEMENTS)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        left, restarted = [], []
+        try:
+            for _ in range(trials):
+                for pause, seconds in ((False, left), (True, restarted)):
+                    work.add_(1.0)
+                    if pause:
+                        self._pause(OMP_PAUSE_SOFT)
+                    time.sleep(_GAP_S)
+                    started = time.perf_counter()
+                    work.add_(1.0)
+                    seconds.append(time.perf_counter() - started)
+        finally:
+            torch.set_num_threads(before)
+        self.restart_ms = round((statistics.fmean(restarted) - statistics.fmean(left)) * 1e3, 3)
+        self.why_not = None if self.restart_ms < bound else (
+            f"restarting them after a pause cost a parallel region {self.restart_ms:g} ms on average here (measured "
+            f"at load; the pause pays below {bound:g} ms)")
 
     def __call__(self) -> bool:
         """End the threads of this thread's OpenMP pool; False where that cannot be done (or the runtime refused:

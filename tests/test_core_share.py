@@ -3,6 +3,7 @@ processes (each holds its own POSIX locks), driven line by line over stdin/stdou
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers import core_share, idle_cores
+from handlers import core_share, idle_cores, openmp_pause
 from tests.test_embeddings import make_engine
 
 CPUS = frozenset({0, 1})
@@ -364,11 +365,13 @@ def test_an_engine_takes_its_share_of_the_cores_while_another_worker_holds_a_bat
     assert threads["per_forward"].startswith(f"shared with the other workers on these {cores.cores} cores"), threads
 
 
-def test_a_forward_that_followed_another_workers_ends_its_openmp_threads(tiny_bert_dir, siblings):
+def test_a_forward_that_followed_another_workers_ends_its_openmp_threads(tiny_bert_dir, siblings, monkeypatch):
     """handlers.openmp_pause, whichever way the other worker came (minWorkers, a scale-up, another model): this
-    engine's YAML has one worker."""
+    engine's YAML has one worker. The restart's cost measured at load is taken to pay, whatever this machine's."""
+    monkeypatch.setattr(openmp_pause, "RESTART_PAYS_MS", math.inf)
     engine = make_engine(tiny_bert_dir, name="in-turn")  # threads: auto
     engine.load()
+    assert engine.openmp_pause is not None and engine.openmp_pause.restart_ms is not None
     cores = engine.cores
     assert cores is not None and engine.openmp_pause is not None and engine.openmp_pause.available
     assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]  # after whichever worker's came last (a test's)
@@ -387,6 +390,22 @@ def test_a_forward_that_followed_another_workers_ends_its_openmp_threads(tiny_be
     said = engine.describe()["optimization"]["threads"]["openmp_after_forward"]
     assert said.startswith("threads ended after a forward on more than one that followed another worker's"), said
     assert f"({paused + 1} so far)" in said
+
+
+def test_where_restarting_openmps_threads_costs_too_much_they_are_left_to_spin(tiny_bert_dir, siblings, monkeypatch):
+    monkeypatch.setattr(openmp_pause, "RESTART_PAYS_MS", -math.inf)  # whatever this machine measures: too much
+    engine = make_engine(tiny_bert_dir, name="spins")
+    engine.load()
+    cores = engine.cores
+    assert cores is not None and engine.openmp_pause is not None and not engine.openmp_pause.pays
+    other = siblings(cores.cores, cores.path)
+    assert other.send("forward").startswith("granted ") and other.send("end") == "ok"
+    time.sleep(cores.remember_s)
+    assert engine.predict([{"text": f"after the sibling's forward {LONG_TEXT}"}])[0]["embedding"]
+    assert engine.last_batch.threads == cores.cores and engine.openmp_pauses == 0
+    said = engine.describe()["optimization"]["threads"]["openmp_after_forward"]
+    assert said.startswith("threads left to spin: restarting them after a pause cost a parallel region "), said
+    assert said.endswith("(measured at load; the pause pays below -inf ms)"), said
 
 
 def test_threads_configured_are_the_threads_every_forward_runs(tiny_bert_dir):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+from handlers import openmp_pause
 from handlers.openmp_pause import OpenMPPause
 from tests.test_core_share import LONG_TEXT
 from tests.test_embeddings import EAGER_ONLY, make_engine
@@ -56,8 +58,22 @@ def test_without_libgomp_in_the_process_the_pause_does_nothing_and_says_why(tmp_
     assert not unreadable.available and "cannot read" in unreadable.why_not
 
 
-def test_a_worker_alone_on_its_cores_keeps_its_openmp_threads_spinning(tiny_bert_dir):
+def test_the_restart_is_measured_and_the_pause_used_only_below_its_bound():
+    pause = OpenMPPause()
+    pause.measure(2, trials=4, pays_below_ms=math.inf)
+    assert pause.pays and pause.restart_ms is not None and pause.why_not is None
+    pause.measure(2, trials=4, pays_below_ms=-math.inf)
+    assert not pause.pays and pause.available
+    assert pause.why_not == (f"restarting them after a pause cost a parallel region {pause.restart_ms:g} ms on "
+                             "average here (measured at load; the pause pays below -inf ms)")
+    one_thread = OpenMPPause()
+    one_thread.measure(1, pays_below_ms=-math.inf)  # nothing to restart: nothing measured, nothing refused
+    assert one_thread.restart_ms is None and one_thread.pays
+
+
+def test_a_worker_alone_on_its_cores_keeps_its_openmp_threads_spinning(tiny_bert_dir, monkeypatch):
     """Its YAML asks for two workers, but only this one runs: the count it reads is not the count there is."""
+    monkeypatch.setattr(openmp_pause, "RESTART_PAYS_MS", math.inf)  # the pause taken to pay, whatever this machine's
     engine = make_engine(tiny_bert_dir, {**EAGER_ONLY, "minWorkers": 2}, name="alone")
     engine.load()
     assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]  # after whichever worker's came last (a test's)
