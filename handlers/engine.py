@@ -536,7 +536,7 @@ class Engine:
                 f"threads ended after a forward on more than one that followed another worker's on these cores "
                 f"({self.openmp_pauses} so far): workers that take requests in turn; alone, left to spin"
                 + ("" if self.openmp_pause.restart_ms is None else
-                   f"; restarting them cost {self.openmp_pause.restart_ms:g} ms on average (measured at load)")
+                   f"; restarting them cost {self.openmp_pause.restart_ms:g} ms (90th percentile, measured at load)")
                 if self.openmp_pause.pays else f"threads left to spin: {self.openmp_pause.why_not}")
         return threads
 

@@ -620,7 +620,7 @@ def test_the_int8_archive_serves_int8_where_it_passes_and_pays(server, reference
     # (Or, where restarting the threads measured too costly at load, left to spin, and describe says what it cost.)
     assert re.match(r"threads ended after a forward on more than one that followed another worker's on these cores "
                     r"\([1-9]\d* so far\)|threads left to spin: restarting them after a pause cost a parallel region "
-                    r"[\d.]+ ms on average here", said), said
+                    r"-?[\d.]+ ms at the 90th percentile here", said), said
     status, body = server.management("DELETE", "/models/minilm-int8")
     assert status == 200, body
 
