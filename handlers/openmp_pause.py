@@ -15,9 +15,8 @@ KVM, stop 71) the first parallel region after a pause took 1-13 ms longer than a
 (`docs/performance.md`: the restart's cost), and two workers that paused answered one lone request in ten or more
 after 20-30 ms, against 14-16 spinning. So at load (``measure``) a worker times a small parallel region on its
 threads after a pause and after its threads were left alone, and pauses only where the restart costs less than
-``RESTART_PAYS_MS`` at the 90th percentile (the mean
-wandered 1.9-5.2 ms between five measurements here, the 90th percentile 8.95-9.30); describe says which, with
-the cost.
+``RESTART_PAYS_MS`` at the 90th percentile (the mean wandered 1.9-5.2 ms between five measurements here, the 90th
+percentile 8.95-9.30); describe says which, with the cost.
 
 ``omp_pause_resource_all`` (OpenMP 5.0) ends them at once; the next parallel region starts new ones. Only libgomp is
 looked for: it is the OpenMP runtime of torch's Linux wheels. Where the process has none loaded, or it lacks the
@@ -77,8 +76,7 @@ class OpenMPPause:
     def measure(self, threads: int, trials: int = _TRIALS, pays_below_ms: float | None = None) -> None:
         """Time a small parallel region on ``threads`` threads after a pause and after the threads were left to spin
         and sleep, alternated; where a pause costs it ``pays_below_ms`` (``RESTART_PAYS_MS``) or more at the 90th
-        percentile,
-        ``pays`` turns False and ``why_not`` says what it cost."""
+        percentile, ``pays`` turns False and ``why_not`` says what it cost."""
         if self._pause is None or threads < 2:
             return
         bound = RESTART_PAYS_MS if pays_below_ms is None else pays_below_ms
