@@ -26,6 +26,7 @@ call, ``pause`` does nothing and says so.
 from __future__ import annotations
 
 import ctypes
+import statistics
 import time
 from pathlib import Path
 
@@ -109,5 +110,4 @@ class OpenMPPause:
 
 def _p90(seconds: list[float]) -> float:
     """The 90th percentile: a restart's cost here was bimodal (most ~1 ms, some ~10), its mean unsteady."""
-    ordered = sorted(seconds)
-    return ordered[int(0.9 * (len(ordered) - 1))]
+    return statistics.quantiles(seconds, n=10, method="inclusive")[-1]
