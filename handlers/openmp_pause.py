@@ -16,7 +16,7 @@ KVM, stop 71) the first parallel region after a pause took 1-13 ms longer than a
 after 20-30 ms, against 14-16 spinning. So at load (``measure``) a worker times a small parallel region on its
 threads after a pause and after its threads were left alone, and pauses only where the restart costs less than
 ``RESTART_PAYS_MS`` at the 90th percentile (the mean wandered 1.9-5.2 ms between five measurements here, the 90th
-percentile 8.95-9.30); describe says which, with the cost.
+percentile 8.95-9.30; on CPU A, a Zen 4 EPYC, 4.7-12.8 at stop 72); describe says which, with the cost.
 
 ``omp_pause_resource_all`` (OpenMP 5.0) ends them at once; the next parallel region starts new ones. Only libgomp is
 looked for: it is the OpenMP runtime of torch's Linux wheels. Where the process has none loaded, or it lacks the
