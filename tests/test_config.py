@@ -144,6 +144,8 @@ def test_the_input_mapping_is_never_mutated():
         ({"batchSize": 4, "maxBatchDelay": 0}, r"maxBatchDelay is 0, which TorchServe 0.12 reads as unset: it would "
                                                r"hold each lone request for its default 100 ms"),
         ({"maxBatchDelay": -1}, r"maxBatchDelay must be 0 or more, got -1"),
+        ({"asyncCommunication": True}, r"asyncCommunication is true, which has TorchServe 0.12 await each "
+                                        r"request's answer from the handler; .*: remove asyncCommunication"),
         ({"pt2_handlers": {"max_runtime_failure": 3}}, r"pt2_handlers: unknown key\(s\) max_runtime_failure"),
         ({"pt2_handlers": "embeddings"}, r"pt2_handlers must be a mapping, got str"),
         ({"pt2_handlers": {"too_long": "cut"}}, r"pt2_handlers.too_long: 'cut' is not allowed; use one of: reject, "

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, StrictInt, ValidationInfo, WrapValidator, field_validator
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, WrapValidator, field_validator
 
 from handlers.config.fields import PositiveInt, Section, problem
 from handlers.config.pt2 import CompileSection, LegacyBackendName, LegacyCompileSection, Pt2Section, \
@@ -51,6 +51,20 @@ class ModelYaml(Section):
     """TorchServe's wait, in ms, for a batch to fill (its default: 100). With `batchSize` above 1, 0 is refused:
     TorchServe 0.12 reads it as unset and holds each lone request for its default 100 ms (measured: p50 119 ms
     against 10.6 with 1)."""
+
+    asyncCommunication: StrictBool = Field(False, json_schema_extra={"const": False})  # editors flag true
+    """TorchServe's asynchronous worker, which awaits each request's answer from the handler as it comes. Not
+    supported: pt2-handlers answers synchronously, in the batches TorchServe forms (`batchSize`, `maxBatchDelay`).
+    Measured as a worker batching itself, it served lone requests half as fast (docs/performance.md, stop 73)."""
+
+    @field_validator("asyncCommunication")
+    @classmethod
+    def _synchronous_worker(cls, value: bool) -> bool:
+        if value:
+            raise problem("is true, which has TorchServe 0.12 await each request's answer from the handler; "
+                          "pt2-handlers answers synchronously, in the batches TorchServe forms (batchSize, "
+                          "maxBatchDelay): remove asyncCommunication")
+        return value
 
     @field_validator("maxBatchDelay")
     @classmethod
