@@ -3,7 +3,7 @@ its AVX-512 path, and PyTorch's SDPA, on MiniLM's heads (12 x 32) at the benchma
 
     .venv/bin/python scripts/bench_attention.py --out bench_results/attention
 
-Why: on a CPU with AMX the kernel runs its two products on AMX tiles (handlers/fused_attention.cpp); this shows what
+Why: on a CPU with AMX the kernel runs its two products on AMX tiles (handlers/cpu/fused_attention.cpp); this shows what
 that buys per call against its AVX-512 path and SDPA, with bf16 values (the bf16 rungs) and float32 values (the int8
 rung keeps some value projections in float32). The paths take turns, ``--rounds`` times, and each cell is the fastest
 of its blocks (a busy machine only adds time). Where the CPU has no AMX, the first two are one path.
@@ -49,7 +49,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from handlers import fused_attention
+    from handlers.cpu import fused_attention
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-attention-") as build_dir:

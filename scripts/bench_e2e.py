@@ -58,8 +58,20 @@ import manage
 import package
 import peers
 import tsctl
-from bench_common import (DEFAULT_OUT, REPO, OtherCpu, apply_settings, log, markdown_table, pids_with_arg, run_header,
-                          summarize, write_csv, write_json, write_plot)
+from bench_common import (
+    DEFAULT_OUT,
+    REPO,
+    OtherCpu,
+    apply_settings,
+    log,
+    markdown_table,
+    pids_with_arg,
+    run_header,
+    summarize,
+    write_csv,
+    write_json,
+    write_plot,
+)
 
 OURS, BASELINE = "minilm", "baseline"
 MODELS = (OURS, BASELINE)  # always served; --extra-archive adds archives, --peers adds other servers

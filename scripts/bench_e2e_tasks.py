@@ -28,8 +28,17 @@ from typing import Any
 import package
 import tsctl
 import yaml
-from bench_common import (DEFAULT_OUT, REPO, log, markdown_table, run_header, summarize, write_csv, write_json,
-                          write_plot)
+from bench_common import (
+    DEFAULT_OUT,
+    REPO,
+    log,
+    markdown_table,
+    run_header,
+    summarize,
+    write_csv,
+    write_json,
+    write_plot,
+)
 from bench_e2e import Client, send_all
 from bench_tasks import TASK_MODELS, check_agreement, model_dir, workloads
 

@@ -29,8 +29,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import (DEFAULT_OUT, REPO, apply_settings, log, markdown_table, run_header, summarize, write_csv,
-                          write_json, write_plot)
+from bench_common import (
+    DEFAULT_OUT,
+    REPO,
+    apply_settings,
+    log,
+    markdown_table,
+    run_header,
+    summarize,
+    write_csv,
+    write_json,
+    write_plot,
+)
 
 PROMPTS = ["Serving compiled models in production", "The quick brown fox", "A longer prompt about the latency "
            "of every request that a server answers while it batches", "Tea"]
@@ -41,7 +51,7 @@ def load_engine(eager: bool, model_dirs: Path, settings: Sequence[str] = ()) -> 
     import yaml
 
     from handlers.config import load_config
-    from handlers.engine import Engine
+    from handlers.serving.engine import Engine
 
     sys.path.insert(0, str(REPO / "scripts"))
     import make_test_models

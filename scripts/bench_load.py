@@ -34,7 +34,7 @@ LOAD = """
 import json, sys, time, yaml, torch
 from pathlib import Path
 from handlers.config import load_config
-from handlers.engine import Engine
+from handlers.serving.engine import Engine
 raw = yaml.safe_load(Path(sys.argv[1]).read_text())
 raw.setdefault("pt2_handlers", {})["model_dir"] = sys.argv[2]
 engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), "bench-load")

@@ -10,24 +10,24 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
 
     eager-fp32 (the reference), eager-bf16, compile-dynamic-{fp32,bf16}, compile-{dynamic,static}-{fp32,bf16}-frozen
     (compile-dynamic-*-frozen is the shipped rung: bf16 where the CPU has AVX512-BF16 or AMX, fp32 elsewhere),
-    compile-{dynamic,static}-int8[-frozen] (handlers.quantize.in_precision: torchao's dynamic int8 linears),
+    compile-{dynamic,static}-int8[-frozen] (handlers.precision.quantize.in_precision: torchao's dynamic int8 linears),
     compile-dynamic-int8-bf16 (the same int8 linears, the layers between them in bf16 instead of fp32),
     pt2e-static-int8[-bf16] (PT2E static quantization: torch.export, torchao's X86InductorQuantizer with per-tensor
     activation scales calibrated on other texts, frozen compile; -bf16 under bf16 autocast, as Intel recommends),
     pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16),
-    pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: handlers.quantize.stays_float's rule),
+    pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: handlers.precision.quantize.stays_float's rule),
     pt2e-static-int8[-bf16]-measured-cpp (the int8 rung's form: that rule, less the float layers a per-layer
-    measurement finds cheap, handlers.sensitivity; C++ wrapper; its weights in the rung's range for this CPU,
-    handlers.hardware.int8_weights), pt2e-static-int8-measured-cpp-full-weights (full-range weights on any CPU),
-    compile-dynamic-{fp32,bf16}-frozen-small32 (shapes.small_batch_tokens: 32, handlers.small_batches: batches of at
+    measurement finds cheap, handlers.precision.sensitivity; C++ wrapper; its weights in the rung's range for this CPU,
+    handlers.precision.choice.int8_weights), pt2e-static-int8-measured-cpp-full-weights (full-range weights on any CPU),
+    compile-dynamic-{fp32,bf16}-frozen-small32 (shapes.small_batch_tokens: 32, handlers.rungs.small_batch_graph: batches of at
     most 32 tokens through a second graph whose matmuls inductor autotuned at the first shape timed, template against
     library; time it with --batch-sizes 1 ... first), pt2e-static-int8[-bf16]-measured-cpp-small32 (the int8 rung so),
     compile-dynamic-{fp32,bf16}-frozen[-small32]-cpp (with the C++ wrapper),
     compile-dynamic-{fp32,bf16}-frozen[-cpp]-all-guards, pt2e-static-int8[-bf16]-measured-cpp-all-guards (every
     compiled variant leaves out dynamo's guards on the model's attributes, as the ladder does for MiniLM:
-    handlers.module_guards; these keep them),
+    handlers.rungs.module_guards; these keep them),
     compile-dynamic-{fp32,bf16}-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those with attention as SDPA, where
-    every other compiled variant runs the handler's fused attention kernel where it applies: handlers.fused_attention),
+    every other compiled variant runs the handler's fused attention kernel where it applies: handlers.cpu.fused_attention),
     compile-dynamic-bf16-frozen-avx512attn, pt2e-static-int8-bf16-measured-cpp-avx512attn (the kernel held to its
     AVX-512 path: on a CPU with AMX, the others run its AMX tiles),
     compile-dynamic-fp32-autotune, compile-dynamic-bf16-frozen-autotune, pt2e-static-int8[-bf16]-measured-cpp-autotune
@@ -66,8 +66,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, run_header, summarize, write_csv,
-                          write_json, write_plot)
+from bench_common import (
+    DEFAULT_OUT,
+    REPO,
+    OtherCpu,
+    log,
+    markdown_table,
+    run_header,
+    summarize,
+    write_csv,
+    write_json,
+    write_plot,
+)
 
 ORT_MIN_COSINE = 0.9999
 Batch = dict[str, Any]  # input_ids / attention_mask tensors
@@ -88,11 +98,11 @@ class Variant:
     full_weights: bool = False  # pt2e: weights in [-128, 127] on any CPU (the rung: 7 bits without int8 dot products)
     small_batch_tokens: int = 0  # a second graph for batches of at most this many tokens (shapes.small_batch_tokens)
     all_guards: bool = False  # compiled with dynamo's guards on the model's attributes, as before stop 53
-    fused_producers: bool = True  # pt2e: split FFN outputs' producers rewritten to fuse (handlers.outlier_producers)
-    merged_linears: bool = True  # pt2e: linears reading one input as one (handlers.merged_linears)
+    fused_producers: bool = True  # pt2e: split FFN outputs' producers rewritten to fuse (handlers.precision.outlier_producers)
+    merged_linears: bool = True  # pt2e: linears reading one input as one (handlers.precision.merged_linears)
 
 
-MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.sensitivity takes
+MEASURED = "measured"  # float_linears: the rule's float layers less those handlers.precision.sensitivity takes
 
 VARIANTS = (
     Variant("eager-fp32", "eager", "float32"),
@@ -114,7 +124,7 @@ VARIANTS = (
     # The FFN's output linear reads GELU's long-tailed activations, which one scale per tensor cannot hold.
     Variant("pt2e-static-int8-bf16-ffn-out", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=r"layer\.\d+\.output\.dense$"),
-    # The value projections too: the int8 rung's form (handlers.quantize.stays_float).
+    # The value projections too: the int8 rung's form (handlers.precision.quantize.stays_float).
     Variant("pt2e-static-int8-bf16-ffn-out-value", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=r"(layer\.\d+\.output\.dense|attention\.self\.value)$"),
     # ... with inductor's C++ wrapper: the int8 archive as it ships (model_configs/minilm-embeddings-int8.yaml).
@@ -126,7 +136,7 @@ VARIANTS = (
             float_linears=r"(layer\.\d+\.output\.dense|attention\.self\.value)$", cpp_wrapper=True),
     Variant("compile-dynamic-fp32-cpp", "compile", "float32", dynamic=True, cpp_wrapper=True),
     # The rung as it builds int8 now: of the rule's float layers, those a per-layer measurement finds cheap are
-    # quantized too (handlers.sensitivity), judged here on other texts than the timed ones.
+    # quantized too (handlers.precision.sensitivity), judged here on other texts than the timed ones.
     Variant("pt2e-static-int8-measured-cpp", "pt2e", "int8", dynamic=True, freezing=True, float_linears=MEASURED,
             cpp_wrapper=True),
     Variant("pt2e-static-int8-bf16-measured-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
@@ -249,7 +259,7 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
         return pt2e_runner(module, variant, calibration)
     if variant.dtype.startswith("int8"):
         from handlers.config import DType
-        from handlers.quantize import in_precision
+        from handlers.precision.quantize import in_precision
 
         rest = torch.bfloat16 if variant.dtype == "int8+bfloat16" else torch.float32
         served = compile_as_rung(in_precision(copy.deepcopy(module), DType.INT8, rest=rest), variant)
@@ -276,10 +286,10 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
 
 def with_fused_attention(module: Any, avx512_only: bool = False) -> Any:
     """A copy of ``module`` whose compiled graphs run the fused attention kernel where the handler's would
-    (handlers.fused_attention; eager forwards stay on SDPA); ``avx512_only``: its path without AMX tiles."""
+    (handlers.cpu.fused_attention; eager forwards stay on SDPA); ``avx512_only``: its path without AMX tiles."""
     import torch
 
-    from handlers import fused_attention
+    from handlers.cpu import fused_attention
 
     copied = copy.deepcopy(module)
     outcome = fused_attention.use_in_compiled_graphs(
@@ -292,12 +302,12 @@ def with_fused_attention(module: Any, avx512_only: bool = False) -> Any:
 
 
 def avx512_attention_implementation() -> str:
-    """A transformers attention implementation: handlers.fused_attention's, calling the kernel's AVX-512 path."""
+    """A transformers attention implementation: handlers.cpu.fused_attention's, calling the kernel's AVX-512 path."""
     import torch
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from handlers import fused_attention
+    from handlers.cpu import fused_attention
 
     def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
                   dropout: float = 0.0, **kwargs: Any) -> Any:
@@ -324,7 +334,7 @@ def compile_as_rung(module: Any, variant: Variant) -> Any:
                        small_batch_tokens=variant.small_batch_tokens)
     rung = CompileRung("compile", spec)
     # The ladder leaves those guards out for MiniLM, whose forwards change none of its attributes
-    # (handlers.module_guards); -all-guards keeps them.
+    # (handlers.rungs.module_guards); -all-guards keeps them.
     return (rung if variant.all_guards else rung.without_module_guards()).apply(module, DType.FLOAT32)
 
 
@@ -347,15 +357,15 @@ def one_graph_runner(compiled: Any) -> Runner:
 
 
 def pt2e_runner(module: Any, variant: Variant, calibration: list[Batch]) -> Runner:
-    """PT2E static int8 as the int8 rung builds it (handlers.quantize.static_int8), calibrated on
+    """PT2E static int8 as the int8 rung builds it (handlers.precision.quantize.static_int8), calibrated on
     ``calibration``, but quantizing every linear layer save those ``variant.float_linears`` names; then compiled
     as the frozen compile rung. ``int8+bfloat16``: the float layers under bf16 autocast."""
     import re
 
     import torch
 
-    from handlers.hardware import int8_weights
-    from handlers.quantize import Int8Weights, static_int8
+    from handlers.precision.choice import int8_weights
+    from handlers.precision.quantize import Int8Weights, static_int8
 
     weights = Int8Weights.FULL if variant.full_weights else int8_weights()
     log(f"{variant.name}: {weights.describe()}")
@@ -439,13 +449,13 @@ def positional_embedder_class() -> type:
 
 
 def measured_float_layers(module: Any, copy_of_module: Any, calibration: list[Batch], weights: Any) -> Any:
-    """The int8 rung's float layers (handlers.quantize.stays_float) less those handlers.sensitivity takes, scored
+    """The int8 rung's float layers (handlers.precision.quantize.stays_float) less those handlers.precision.sensitivity takes, scored
     as the embeddings gate scores them (min cosine, threshold 0.99) on the calibration batches; those it takes with
     their largest input channels in float are split in ``copy_of_module``, as the ladder does."""
     import torch
 
-    from handlers.quantize import split_outliers, stays_float
-    from handlers.sensitivity import choose
+    from handlers.precision.quantize import split_outliers, stays_float
+    from handlers.precision.sensitivity import choose
 
     with torch.inference_mode():
         wanted = [module(**batch) for batch in calibration]

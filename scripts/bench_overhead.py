@@ -10,7 +10,7 @@ Why: at concurrency 1 a client waits for the whole path, not the model alone. Th
     through TS   the same archive served by TorchServe on loopback (token auth on), one keep-alive client
                  sending the same lone requests one after another: what the client waits for
 
-Handler's own time = handle() - forward. In the worker, each answer's Server-Timing header (handlers/server_timing.py)
+Handler's own time = handle() - forward. In the worker, each answer's Server-Timing header (handlers/serving/server_timing.py)
 gives the same split for that very request: the worker's handler call and its forward. TorchServe's share = what the
 client waited - the worker's handler call, request by request (its frontend, batching window, the socket to the
 worker, the worker's protocol code). The in-process forward is the model alone, back to back; the worker's forward
@@ -51,8 +51,18 @@ from typing import Any
 import package
 import tsctl
 import yaml
-from bench_common import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, pids_with_arg, run_header, summarize,
-                          write_csv, write_plot)
+from bench_common import (
+    DEFAULT_OUT,
+    REPO,
+    OtherCpu,
+    log,
+    markdown_table,
+    pids_with_arg,
+    run_header,
+    summarize,
+    write_csv,
+    write_plot,
+)
 from bench_e2e import Client, single_token_words
 
 MODEL = "overhead"
@@ -113,7 +123,7 @@ class InProcess:
 
     def __init__(self, args: argparse.Namespace, work: Path):
         sys.path.insert(0, str(REPO))
-        from handlers.torchserve_handler import Pt2Handler
+        from handlers.serving.torchserve_handler import Pt2Handler
 
         self.context = torchserve_context(args.config, work)
         self.handler = Pt2Handler()
@@ -171,7 +181,7 @@ class ThroughTorchServe:
         self.latencies: dict[str, list[float]] = {name: [] for name in (MODEL, *FLOORS)}
         self.worker: dict[str, list[float]] = {part: [] for part in WORKER_PARTS}
         sys.path.insert(0, str(REPO))
-        from handlers import server_timing
+        from handlers.serving import server_timing
 
         self.timing = server_timing
 

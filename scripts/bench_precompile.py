@@ -62,7 +62,7 @@ def child(case: str, precision: str, artifact: Path, iters: int) -> dict:
 
     sys.path.insert(0, str(REPO))
     from handlers.config import DType
-    from handlers.quantize import in_precision
+    from handlers.precision.quantize import in_precision
     from handlers.tasks.embeddings import PooledEmbedder
 
     imported = time.perf_counter()

@@ -11,7 +11,7 @@ Three measurements, one run, one fresh compile cache directory:
    serving one loads on its share of the cores (``CoreShare.loading``).
 3. a new host: TorchServe is stopped, the cache directory is copied elsewhere (as a volume mounted into a new
    pod would be) and a new TorchServe starts from the copy; time until READY.
-4. the same from a copy without what the loads measured (``handlers.memory``: the races, int8's choice of layers),
+4. the same from a copy without what the loads measured (``handlers.ladder.decisions``: the races, int8's choice of layers),
    so the worker measures again: what remembering them saves.
 5. with ``--workers N`` (N > 1): a cold start of the model YAML with ``minWorkers: N``, from another empty cache;
    time until the first worker is READY and until all are (workers on the same cores load in turn, each on every core,
@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_common as bc  # noqa: E402
 import package  # noqa: E402
 import tsctl  # noqa: E402
-from handlers.memory import DIRECTORY as MEASURED  # noqa: E402
+
+from handlers.ladder.decisions import DIRECTORY as MEASURED  # noqa: E402
 
 PORT_SHIFT = 22000  # away from the shipped ports, the tests (+10000 ... +17000) and bench_e2e (+20000)
 MODEL = "minilm"

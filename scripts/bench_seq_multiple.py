@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What rounding dynamic sequence lengths up to a multiple (handlers/shapes.py: 16) costs per forward.
+"""What rounding dynamic sequence lengths up to a multiple (handlers/config/shapes.py: 16) costs per forward.
 
 Builds the served module once (memory_probe.build_engine: the YAML's ladder, dtype and policy), then times
 ``Engine.forward_batch`` on batches of exactly ``rows`` x ``length`` tokens, run at the exact length

@@ -34,8 +34,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (DEFAULT_OUT, REPO, log, markdown_table, run_header, summarize, write_csv, write_json,
-                          write_plot)
+from bench_common import (
+    DEFAULT_OUT,
+    REPO,
+    log,
+    markdown_table,
+    run_header,
+    summarize,
+    write_csv,
+    write_json,
+    write_plot,
+)
 
 TASK_MODELS = {  # task -> (model YAML, model built by make_test_models.py, None for the embedded MiniLM)
     "embeddings": ("minilm-embeddings.yaml", None),
@@ -86,7 +95,7 @@ def load_engine(task: str, eager: bool, model_dirs: Path, device: str = "cpu") -
     import yaml
 
     from handlers.config import load_config
-    from handlers.engine import Engine
+    from handlers.serving.engine import Engine
 
     raw = copy.deepcopy(yaml.safe_load((REPO / "model_configs" / TASK_MODELS[task][0]).read_text()))
     raw["pt2_handlers"]["model_dir"] = str(model_dir(task, model_dirs))

@@ -2,11 +2,11 @@
 """What wraps every live forward, timed alone: the pieces of a lone request that are neither the model nor
 TorchServe, each next to the way it was done before, in interleaved rounds of one run (issue 19, item 2).
 
-    core share        handlers.core_share: batch() + forward() for a worker alone on its cores (a new file),
+    core share        handlers.cpu.core_share: batch() + forward() for a worker alone on its cores (a new file),
                       and beside 15 slots that dead workers left marked (each is probed, every forward)
     freezing flag     inductor's freezing flag around each call of a frozen rung (handlers.rungs): set and put
                       back directly, against torch's ``inductor_config.patch(freezing=True)``
-    dynamo counts     the guard's check for compiles after READY (handlers.guard): the activity key twice,
+    dynamo counts     the guard's check for compiles after READY (handlers.ladder.guard): the activity key twice,
                       against ``dynamo_counts()`` twice
     stance, inference mode   the guard's fixed costs, for scale
 
@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
 
 def pieces(directory: Path) -> dict[str, Callable[[], None]]:
     """Each piece as a call that does it once, named ``what: how``."""
-    from handlers import core_share
+    from handlers.cpu import core_share
 
     alone = core_share.CoreShare(2, directory / "alone")
     stale = core_share.CoreShare(2, directory / "stale")
@@ -61,7 +61,7 @@ def _guard_pieces() -> dict[str, Callable[[], None]]:
     import torch
     from torch._inductor import config as inductor_config
 
-    from handlers.dynamo_watch import activity, dynamo_counts
+    from handlers.rungs.dynamo_counts import activity, dynamo_counts
 
     def flag_direct() -> None:
         if not inductor_config.freezing:

@@ -1,9 +1,9 @@
 """How static int8 embeddings hold up on texts they were not calibrated on, by calibration source.
 
 Why: static int8 fixes one scale per activation from its calibration texts, and the ladder's gate judges it on
-other texts (handlers/calibration.py). This shows, for one model, the min cosine vs fp32 eager that each
+other texts (handlers/tasks/calibration.py). This shows, for one model, the min cosine vs fp32 eager that each
 calibration source gives on each kind of held-out text, in one run, so a calibration file can be checked before it
-ships. Each source builds int8 as the rung does (handlers.quantize.static_int8: narrowing linears float, the rest
+ships. Each source builds int8 as the rung does (handlers.precision.quantize.static_int8: narrowing linears float, the rest
 in bf16 unless --rest float32), run eagerly (the compiled rung's answers differ from these in the fourth decimal).
 
 Calibration sources:
@@ -11,9 +11,9 @@ Calibration sources:
     vocabulary         32 texts of the vocabulary's whole words, 8 to 254 words, in length-sorted batches
     vocabulary-padded  the same texts in batches padded to their longest text (why calibration batches are sorted)
     warmup, values int8  the warmup batches, the attention value projections quantized too (the rung's form before
-                       handlers.quantize.stays_float kept them float)
+                       handlers.precision.quantize.stays_float kept them float)
     file               --calibration FILE as pt2_handlers.int8_calibration reads it (all but every 4th line)
-Judged on: the warmup batches, the ladder's held-out batches (handlers.calibration.held_out_sample), and texts of
+Judged on: the warmup batches, the ladder's held-out batches (handlers.tasks.calibration.held_out_sample), and texts of
 N vocabulary words (N in --words); --texts FILE adds your own.
 
     .venv/bin/python scripts/int8_calibration.py [--calibration calibration.txt] [--texts sample.txt]
@@ -56,10 +56,10 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from handlers import calibration
-    from handlers.modeling import load_pretrained
-    from handlers.hardware import int8_weights
-    from handlers.quantize import narrows, static_int8
+    from handlers.models.pretrained import load_pretrained
+    from handlers.precision.choice import int8_weights
+    from handlers.precision.quantize import narrows, static_int8
+    from handlers.tasks import calibration
     from handlers.tasks.embeddings import EmbeddingsTask
 
     if args.model_dir is None:
@@ -93,7 +93,7 @@ def main() -> None:
     with torch.inference_mode():
         wanted = {name: [reference(**batch) for batch in batches] for name, batches in judged.items()}
     rows = []
-    forms = {source: None for source in sources}  # None: the rung's own (handlers.quantize.stays_float)
+    forms = {source: None for source in sources}  # None: the rung's own (handlers.precision.quantize.stays_float)
     sources["warmup, values int8"], forms["warmup, values int8"] = warmup, narrows
     for source, batches in sources.items():
         log(f"calibrating on {source} ({len(batches)} batches)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does the served module's memory stay flat? The soak's traffic without TorchServe, in one process.
 
-Builds the module a worker serves (handlers.engine.Engine with a model YAML, the ladder and all), then feeds it
+Builds the module a worker serves (handlers.serving.engine.Engine with a model YAML, the ladder and all), then feeds it
 batches like the soak's: 1 to 4 texts of 3 to 96 words (random lengths, so nearly every batch has a new
 (rows, sequence) shape). It samples this process's VmRSS every ``--sample-every`` batches and prints one line per
 sample, with how many distinct run shapes it has seen so far. With --out it writes a CSV.
@@ -72,7 +72,7 @@ def build_engine(config: Path, dtype: str | None, model_dir: Path | None, seq_mu
     import yaml
 
     from handlers.config import load_config
-    from handlers.engine import Engine
+    from handlers.serving.engine import Engine
 
     raw = yaml.safe_load(config.read_text())
     settings = raw.setdefault("pt2_handlers", {})

@@ -112,11 +112,11 @@ def check_weights(model_dir: Path) -> None:
 
 def check_pooling(model_dir: Path, config: Path) -> None:
     """Refuse an embeddings model whose sentence-transformers modules the worker would refuse at load
-    (handlers/pooling.py: a Dense module, an unknown pooling mode): its answers would not be the model's."""
+    (handlers/tasks/pooling.py: a Dense module, an unknown pooling mode): its answers would not be the model's."""
     import yaml
 
-    from handlers import pooling
     from handlers.errors import ModelLoadError
+    from handlers.tasks import pooling
 
     section = (yaml.safe_load(config.read_text()) or {}).get("pt2_handlers") or {}
     if section.get("task", "embeddings") != "embeddings":

@@ -91,7 +91,7 @@ class Sampler:
 def reference_engine(archive: Path, work: Path) -> Any:
     """The archive's model and YAML, served on the eager rung in fp32 in this process: the reference answers."""
     from handlers.config import load_config
-    from handlers.engine import Engine
+    from handlers.serving.engine import Engine
 
     with zipfile.ZipFile(archive) as zipped:
         zipped.extractall(work)

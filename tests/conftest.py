@@ -29,7 +29,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import error, instead of leaving its tests deselected behind a green stage."""
     if declared_profile() != "ipex":
         return
-    from handlers.ipex import probe_ipex
+    from handlers.rungs.ipex import probe_ipex
 
     reason = probe_ipex()[1]
     if reason is not None:
@@ -98,8 +98,8 @@ def ipex_stage_reason(profile: str | None) -> str | None:
 
 def fused_kernel_reason() -> str | None:
     """Why the fused attention kernel cannot be built and run here: it is AVX-512 code built with the machine's C++
-    compiler (handlers/fused_attention.py), so an AVX2-only CPU runs only the tests that check it is left out."""
-    from handlers import fused_attention
+    compiler (handlers/cpu/fused_attention.py), so an AVX2-only CPU runs only the tests that check it is left out."""
+    from handlers.cpu import fused_attention
 
     problem = fused_attention.machine_cannot_build()
     return None if problem is None else f"{problem} (an AVX-512 machine with a C++ compiler runs them)"
@@ -110,7 +110,7 @@ def torchao_reason(profile: str | None) -> str | None:
     there a torchao that does not import fails those tests instead of hiding them."""
     if profile == "default":
         return None
-    from handlers.quantize import probe_torchao
+    from handlers.precision.quantize import probe_torchao
 
     reason = probe_torchao()[1]
     return None if reason is None else f"{reason} (the default profile has it)"
@@ -126,7 +126,7 @@ def profile_reasons(profile: str | None) -> tuple[str | None, str | None]:
         return None, f"{default_only} ({PROFILE_ENV}=ipex here)"
     if profile == "default":
         return f"{PROFILE_ENV}=default here; they need the ipex profile (scripts/test.sh runs them there)", None
-    from handlers.ipex import probe_ipex
+    from handlers.rungs.ipex import probe_ipex
 
     reason = probe_ipex()[1]
     if reason is None:
@@ -217,10 +217,11 @@ def reference(minilm_dir):
 
 @pytest.fixture
 def quiet_load_counters(monkeypatch):
-    """The kernel's run-queue counter says nothing, as on a kernel without it, so a race or timing (handlers.race)
+    """The kernel's run-queue counter says nothing, as on a kernel without it, so a race or timing
+    (handlers.ladder.race)
     counts its first try as quiet. For tests of what follows a quiet timing, not of how a busy machine is told:
     beside the suite's other stage, niced, a try can stay busy through a whole patience (CPU A, stop 60)."""
-    from handlers import race
+    from handlers.ladder import race
 
     monkeypatch.setattr(race, "runqueue_wait_s", lambda: None)
 

@@ -1,11 +1,11 @@
-"""The per-batch gauges' window (handlers/batch_gauges.py): what a worker emits, and when. The real emission through
-TorchServe's metrics API is tests/test_torchserve.py's Prometheus test."""
+"""The per-batch gauges' window (handlers/serving/batch_gauges.py): what a worker emits, and when. The real emission
+through TorchServe's metrics API is tests/test_torchserve.py's Prometheus test."""
 
 from __future__ import annotations
 
 import pytest
 
-from handlers.batch_gauges import GaugeWindow
+from handlers.serving.batch_gauges import GaugeWindow
 
 
 class Clock:

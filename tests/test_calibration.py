@@ -1,4 +1,4 @@
-"""What int8 is calibrated on and what it is judged on (handlers.calibration): never the same texts."""
+"""What int8 is calibrated on and what it is judged on (handlers.tasks.calibration): never the same texts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from handlers import calibration
 from handlers.config import ConfigError, load_config
 from handlers.errors import ModelLoadError
+from handlers.tasks import calibration
 from handlers.tasks.embeddings import EmbeddingsTask
 
 SHAPES = [(1, 16), (4, 16), (4, 64)]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from handlers.config import load_config
-from handlers.engine import Engine
 from handlers.errors import ConfigError, InvalidInput
+from handlers.serving.engine import Engine
 from handlers.tasks.base import ScoreGate
 
 TEXTS = [

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from handlers.compile_cache import ENV_VAR, choose, configured_dir, prepare
+from handlers.rungs.compile_cache import ENV_VAR, choose, configured_dir, prepare
 
 UNCREATABLE = "/proc/pt2-handlers-cannot-create-this"  # even root cannot mkdir under /proc
 
@@ -61,7 +61,7 @@ def torch_minor() -> tuple[int, int]:
 
 def test_prepare_keeps_torch_dynamo_importable_in_a_fresh_process():
     """The defect this module exists for: torch dies importing dynamo when the cache dir cannot be made."""
-    code = ("from handlers.compile_cache import prepare; c = prepare(None); import torch._dynamo; "
+    code = ("from handlers.rungs.compile_cache import prepare; c = prepare(None); import torch._dynamo; "
             "print(c.source)")
     env = {**os.environ, ENV_VAR: UNCREATABLE}
     crash = subprocess.run([sys.executable, "-c", "import torch._dynamo"], env=env, capture_output=True, text=True)

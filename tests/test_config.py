@@ -7,13 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from handlers.config import CompileSpec, DType, HandlerSettings, RungName, TooLong, load_config
+from handlers.config.shapes import AfterReady, PolicyKind, ShapePolicy
+from handlers.cpu.threads import resolve_threads
 from handlers.errors import ConfigError
-from handlers.hardware import resolve_precisions, resolve_threads
-from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
+from handlers.precision.choice import resolve_precisions
 
 MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
 
@@ -305,9 +305,9 @@ def test_dtype_auto_resolves_to_an_ordered_list_from_the_cpu_flags(features, pre
 
 
 def test_dtype_auto_asks_torch_for_the_cpu_flags_by_default(monkeypatch):
-    import handlers.hardware as hardware
+    from handlers.cpu import features as cpu
 
-    monkeypatch.setattr(hardware, "cpu_features", lambda: {"amx_bf16": False, "avx512_bf16": False})
+    monkeypatch.setattr(cpu, "cpu_features", lambda: {"amx_bf16": False, "avx512_bf16": False})
     assert resolve_precisions((DType.AUTO,), torch.device("cpu")).value == (DType.FLOAT32,)
 
 
@@ -328,7 +328,7 @@ AVX512_AND_AMX = {"amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni"}
     ("AVX512", "AVX2", AVX512_AND_AMX | {"avx_vnni"}),
 ])
 def test_features_torch_or_onednn_are_held_below_are_not_used(aten, onednn, held):
-    from handlers.hardware import features_held_back
+    from handlers.cpu.features import features_held_back
 
     assert features_held_back(aten, onednn) == held
 
@@ -339,14 +339,15 @@ def test_kernels_held_to_avx2_serve_fp32_and_take_7_bit_int8_weights_as_an_avx2_
     import subprocess
     import sys
 
-    probe = ("import torch; from handlers import hardware, quantize; from handlers.config import DType as D\n"
+    probe = ("import torch; from handlers.cpu import features; from handlers.precision import choice, quantize\n"
+             "from handlers.config import DType as D\n"
              "cpu = torch.device('cpu')\n"
-             "print(hardware.resolve_precisions((D.AUTO,), cpu).value == (D.FLOAT32,))\n"
+             "print(choice.resolve_precisions((D.AUTO,), cpu).value == (D.FLOAT32,))\n"
              "int8 = (D.INT8,) if quantize.probe_torchao()[0] is not None else ()\n"
-             "print(hardware.resolve_precisions((D.INT8, D.AUTO), cpu).value == (*int8, D.FLOAT32))\n"
-             "print(hardware.resolve_precisions((D.AUTO,), cpu).reason)\n"
-             "print(sorted(name for name, found in hardware.cpu_has().items() if found))\n"
-             "print(hardware.int8_weights().name)")
+             "print(choice.resolve_precisions((D.INT8, D.AUTO), cpu).value == (*int8, D.FLOAT32))\n"
+             "print(choice.resolve_precisions((D.AUTO,), cpu).reason)\n"
+             "print(sorted(name for name, found in features.cpu_has().items() if found))\n"
+             "print(choice.int8_weights().name)")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
@@ -386,9 +387,9 @@ def test_a_bad_dtype_list_is_refused_with_what_is_allowed(dtype, message):
 
 
 def test_threads_share_the_cores_among_workers(monkeypatch):
-    import handlers.hardware as hardware
+    from handlers.cpu import threads
 
-    monkeypatch.setattr(hardware, "available_cores", lambda: 2)
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
     cpu = torch.device("cpu")
     assert resolve_threads(None, 1, cpu).value == 2
     assert resolve_threads(None, 2, cpu).value == 1  # two workers on two cores: one thread each
@@ -400,9 +401,9 @@ def test_threads_share_the_cores_among_workers(monkeypatch):
 def test_threads_auto_follows_omp_num_threads_where_a_launcher_set_it(monkeypatch):
     """TorchServe's cpu_launcher pins each worker to its own cores and sets OMP_NUM_THREADS for it: dividing
     those cores by minWorkers again would leave cores idle."""
-    import handlers.hardware as hardware
+    from handlers.cpu import threads
 
-    monkeypatch.setattr(hardware, "available_cores", lambda: 8)
+    monkeypatch.setattr(threads, "available_cores", lambda: 8)
     cpu = torch.device("cpu")
     choice = resolve_threads(None, 2, cpu, {"OMP_NUM_THREADS": "4"})
     assert (choice.value, choice.reason) == (4, "auto: OMP_NUM_THREADS=4 in this worker's environment")
@@ -422,7 +423,7 @@ def test_threads_auto_follows_omp_num_threads_where_a_launcher_set_it(monkeypatc
 def test_a_container_cpu_limit_caps_the_usable_cores(tmp_path, files, quota):
     """A Kubernetes limits.cpu is a cgroup quota, not an affinity: threads auto must not exceed it (each thread
     past it waits in OpenMP barriers for time the container no longer has)."""
-    from handlers.hardware import available_cores, cpu_quota
+    from handlers.cpu.threads import available_cores, cpu_quota
 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

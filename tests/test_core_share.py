@@ -1,4 +1,4 @@
-"""handlers.core_share: workers on one machine share its cores forward by forward. The other workers are real
+"""handlers.cpu.core_share: workers on one machine share its cores forward by forward. The other workers are real
 processes (each holds its own POSIX locks), driven line by line over stdin/stdout."""
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers import core_share, idle_cores, openmp_pause
+from handlers.cpu import core_share, idle_cores, openmp_pause
 from tests.test_embeddings import make_engine
 
 CPUS = frozenset({0, 1})
 # A forward of more tokens than a small one: where the cores are virtual, a small one after idleness runs on one
-# thread (handlers.idle_cores, tests/test_idle_cores.py), whatever its share.
+# thread (handlers.cpu.idle_cores, tests/test_idle_cores.py), whatever its share.
 LONG_TEXT = " ".join(["alone"] * (idle_cores.SMALL_TOKENS + 1))
 
 SIBLING = textwrap.dedent("""
     import sys
     from contextlib import ExitStack
     from pathlib import Path
-    from handlers import core_share
+    from handlers.cpu import core_share
     share = core_share.CoreShare(int(sys.argv[1]), Path(sys.argv[2]))
     batches, forwards, loads = ExitStack(), ExitStack(), ExitStack()
     print("joined", share.slot, flush=True)
@@ -366,7 +366,7 @@ def test_an_engine_takes_its_share_of_the_cores_while_another_worker_holds_a_bat
 
 
 def test_a_forward_that_followed_another_workers_ends_its_openmp_threads(tiny_bert_dir, siblings, monkeypatch):
-    """handlers.openmp_pause, whichever way the other worker came (minWorkers, a scale-up, another model): this
+    """handlers.cpu.openmp_pause, whichever way the other worker came (minWorkers, a scale-up, another model): this
     engine's YAML has one worker. The restart's cost measured at load is taken to pay, whatever this machine's."""
     monkeypatch.setattr(openmp_pause, "RESTART_PAYS_MS", math.inf)
     engine = make_engine(tiny_bert_dir, name="in-turn")  # threads: auto

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from handlers.config import load_config
-from handlers.engine import Engine, State
 from handlers.errors import InferenceError, InvalidInput, ModelLoadError, ModelNotReady
+from handlers.serving.engine import Engine, State
 
 EAGER_ONLY = {"pt2_handlers": {"ladder": ["eager"], "dtype": "float32",
                                "shapes": {"batch_sizes": [1, 2], "seq_lengths": [8]}, "max_inputs_per_request": 4}}

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import package  # noqa: E402
 import tsctl  # noqa: E402
 
-from handlers.ipex import probe_ipex  # noqa: E402
+from handlers.rungs.ipex import probe_ipex  # noqa: E402
 from tests.conftest import port_shift  # noqa: E402
 from tests.test_torchserve import TEXTS, assert_close_embeddings, describe, predict  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The fused attention kernel (handlers/fused_attention.cpp) against PyTorch's SDPA, and when a model uses it.
+"""The fused attention kernel (handlers/cpu/fused_attention.cpp) against PyTorch's SDPA, and when a model uses it.
 
 The kernel is AVX-512 code built with the machine's compiler: on a CPU without AVX-512 the kernel tests are deselected
 (tests/conftest.py: fused_kernel, with the reason), and the choice tests check that models are left on SDPA and why."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from handlers import fused_attention, hardware
+from handlers.cpu import features, fused_attention
 
 F = torch.nn.functional
 
@@ -32,7 +32,7 @@ def kernel(built):
 
 def cpu_has_amx() -> bool:
     """What the kernel's AMX path is built for (``-march=native`` defines __AMX_TILE__ and __AMX_BF16__)."""
-    return {"amx_tile", "amx_bf16"} <= hardware.linux_cpu_flags()
+    return {"amx_tile", "amx_bf16"} <= features.linux_cpu_flags()
 
 
 def kernel_paths() -> list[str]:
@@ -48,7 +48,7 @@ def each_path(built, request):
 
 
 def expected_instructions() -> str:
-    return ("amx_bf16" if cpu_has_amx() else "avx512_bf16" if "avx512_bf16" in hardware.linux_cpu_flags()
+    return ("amx_bf16" if cpu_has_amx() else "avx512_bf16" if "avx512_bf16" in features.linux_cpu_flags()
             else "avx512f")
 
 
@@ -82,7 +82,7 @@ def test_kernel_equals_sdpa(each_path, size, dtypes, mask_kind, lengths):
     valid = torch.tensor([keys, max(1, keys - 3), max(1, keys // 2)])
     padding = torch.arange(keys)[None, :] < valid[:, None]  # [batch, keys]
     mask = {"none": None,
-            "padding": padding[:, None, None, :],  # one row per text, as handlers.fused_attention.mask gives
+            "padding": padding[:, None, None, :],  # one row per text, as handlers.cpu.fused_attention.mask gives
             "full-bool": padding[:, None, None, :].expand(batch, 1, queries, keys).contiguous(),
             "additive": torch.where(padding, 0.0, -1e4)[:, None, None, :].expand(batch, n_heads, queries, keys)
             .to(dtypes[0]),
@@ -116,7 +116,7 @@ def test_float32_values_are_not_rounded_to_bf16(each_path):
     v = heads(2, 64, 2, 32, torch.float32, 3)
     want = sdpa(q, k, v, None, 0.18).to(torch.bfloat16).float()
     torch.testing.assert_close(kernel(q, k, v, None, 0.18).float(), want, atol=1e-3, rtol=2 ** -7)  # one bf16 step
-    if "avx512_bf16" in hardware.linux_cpu_flags():  # bf16 values take bf16 probabilities too: a coarser answer
+    if "avx512_bf16" in features.linux_cpu_flags():  # bf16 values take bf16 probabilities too: a coarser answer
         with pytest.raises(AssertionError):
             torch.testing.assert_close(kernel(q, k, v.to(torch.bfloat16), None, 0.18).float(), want, atol=1e-3,
                                        rtol=2 ** -7)

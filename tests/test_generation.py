@@ -15,10 +15,10 @@ import pytest
 import torch
 import yaml
 
-from handlers import global_state
 from handlers.config import load_config
-from handlers.engine import Engine
 from handlers.errors import ConfigError, InvalidInput
+from handlers.rungs import thread_guard as global_state
+from handlers.serving.engine import Engine
 from handlers.tasks.generation import Completion, GenerationRequest
 from tests import faulty_backends
 
@@ -44,7 +44,7 @@ class DynamoCounts:
 
 
 def dynamo_counts() -> DynamoCounts:
-    """Dynamo's own counters for this process so far (read from torch, not through handlers.dynamo_watch: these
+    """Dynamo's own counters for this process so far (read from torch, not through handlers.rungs.dynamo_counts: these
     tests judge the handler by dynamo itself)."""
     from torch._dynamo.utils import counters
 
@@ -171,7 +171,7 @@ def test_the_decode_step_compiles_one_graph_per_bucket_and_nothing_after_the_war
     engine, at_load = request.getfixturevalue(loaded)
     buckets = engine.shapes.warmup_shapes()
     counts = engine._runs_at or (torch.get_num_threads(),)
-    # One set of graphs for every count on shared cores (handlers.global_state); torch 2.8 compiles per count.
+    # One set of graphs for every count on shared cores (handlers.rungs.thread_guard); torch 2.8 compiles per count.
     sets = 1 if engine.cores is not None and global_state.guard_can_be_left_out() else len(counts)
     assert at_load == DynamoCounts(graphs=len(buckets) * sets, graph_breaks=0, frames_given_up=0)
     task = engine._task

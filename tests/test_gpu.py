@@ -27,9 +27,9 @@ import yaml
 from torch._dynamo.utils import counters
 
 from handlers.config import CompileSpec, DType, load_config
-from handlers.engine import Engine
 from handlers.ladder import run_ladder
 from handlers.rungs import CompileRung, EagerRung
+from handlers.serving.engine import Engine
 from handlers.tasks.embeddings import CosineGate
 
 pytestmark = pytest.mark.gpu

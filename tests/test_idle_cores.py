@@ -1,4 +1,4 @@
-"""handlers.idle_cores: a small forward after idle virtual cores runs on one thread, anything else on its share."""
+"""handlers.cpu.idle_cores: a small forward after idle virtual cores runs on one thread, anything else on its share."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from handlers import idle_cores
-from handlers.idle_cores import IdleCores
+from handlers.cpu import idle_cores
+from handlers.cpu.idle_cores import IdleCores
 from tests.test_embeddings import make_engine, reference
 
 SHORT = "a short text"

@@ -1,8 +1,8 @@
-"""The imports of handlers/ form a tree from the entry points down, without a cycle (issue 20, item 4).
+"""The imports of handlers/ form a tree from the entry points down, without a cycle, and go down the layers only.
 
 Read from the source with ast, so an import inside a function counts: it runs as surely as one at the top, only
 later (config used to import the task registry inside a function while every task module imports config). So
-does the task registry's import by name of each module handlers/task_catalog.py locates. Importing ``a.b.c``
+does the task registry's import by name of each module handlers/config/task_facts.py locates. Importing ``a.b.c``
 also runs the package ``a.b``, unless the importer is inside it; only ``if TYPE_CHECKING:`` imports never run.
 """
 
@@ -11,10 +11,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from handlers.task_catalog import TASK_FACTS
+from handlers import LAYERS
+from handlers.config.task_facts import TASK_FACTS
 
 REPO = Path(__file__).resolve().parent.parent
-ENTRY_POINTS = ("handlers.torchserve_handler", "handlers.__main__")  # TorchServe's adapter, and the CLI
+ENTRY_POINTS = ("handlers.serving.torchserve_handler", "handlers.__main__")  # TorchServe's adapter, and the CLI
+TORCHSERVE_ADAPTER = "handlers.serving.torchserve_handler"
 REGISTRY = "handlers.tasks"
 
 
@@ -103,7 +105,9 @@ def test_the_import_graph_of_handlers_has_no_cycle():
 
 def test_every_module_hangs_below_an_entry_point():
     graph = import_graph()
-    assert reachable(graph, ENTRY_POINTS) == set(graph) - {"handlers"}
+    # Importing an entry point runs the packages on the way to it too (handlers.serving for the adapter).
+    packages = tuple(entry.rsplit(".", level)[0] for entry in ENTRY_POINTS for level in range(1, entry.count(".")))
+    assert reachable(graph, ENTRY_POINTS + packages) == set(graph) - {"handlers"}
 
 
 def test_config_imports_no_task_module_and_no_registry():
@@ -119,3 +123,43 @@ def test_a_cycle_through_a_lazy_import_is_found(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from handlers.tasks import check_task\n")
     assert _imports("handlers.config", source, {"handlers.tasks", "handlers.config"}) == {REGISTRY}
+
+
+def layer_of(module: str) -> int | None:
+    """The index in ``LAYERS`` of the layer holding ``module`` (None for the package itself and its CLI, above all)."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_every_module_of_the_package_sits_in_a_layer():
+    unplaced = {name for name in import_graph() if layer_of(name) is None} - {"handlers", "handlers.__main__"}
+    assert not unplaced, f"modules outside the layers of handlers.LAYERS: {sorted(unplaced)}"
+
+
+def test_imports_go_down_the_layers_only():
+    upward = sorted(f"{name} ({LAYERS[layer_of(name)]}) imports {target} ({LAYERS[layer_of(target)]})"
+                    for name, targets in import_graph().items() if layer_of(name) is not None
+                    for target in targets if layer_of(target) is not None and layer_of(target) > layer_of(name))
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_an_upward_import_is_found():
+    """The check itself: config importing a task module would be an import up the layers."""
+    assert layer_of("handlers.config.settings") < layer_of("handlers.tasks.embeddings")
+    assert layer_of("handlers.errors") == 0 and layer_of("handlers") is None
+
+
+def test_only_the_torchserve_adapter_imports_torchserve():
+    importers = sorted(str(path.relative_to(REPO)) for path in (REPO / "handlers").rglob("*.py")
+                       if module_name(path) != TORCHSERVE_ADAPTER and _imports_ts(path))
+    assert not importers, f"TorchServe (ts) imported outside {TORCHSERVE_ADAPTER}: {importers}"
+    assert _imports_ts(REPO / (TORCHSERVE_ADAPTER.replace(".", "/") + ".py"))
+
+
+def _imports_ts(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(name == "ts" or name.startswith("ts.") for name in names):
+            return True
+    return False

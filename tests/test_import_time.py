@@ -1,7 +1,7 @@
 """Nothing heavy at import of the handler module (issue 18, item 9).
 
 TorchServe imports the handler file before Pt2Handler.initialize checks the compile-cache location
-(handlers.compile_cache). Anything that imports ``torch._dynamo`` at that point (transformers' pipelines do)
+(handlers.rungs.compile_cache). Anything that imports ``torch._dynamo`` at that point (transformers' pipelines do)
 makes torch create TORCHINDUCTOR_CACHE_DIR first; an unusable one kills the worker at import, and TorchServe
 restarts it forever. So the import must load no dynamo, no inductor, no pipelines and no task module, and a
 worker of every task must come up READY on a private cache when the location is unusable, named either way.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from handlers.compile_cache import CONFIG_KEY, ENV_VAR
+from handlers.rungs.compile_cache import CONFIG_KEY, ENV_VAR
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -55,11 +55,11 @@ def loaded():
     tasks = tuple(location.partition(":")[0] for location in TASK_LOCATIONS.values())
     return sorted(name for name in sys.modules if name.startswith({HEAVY_PREFIXES!r}) or name in tasks)
 
-import handlers.engine
+import handlers.serving.engine
 after_engine = loaded()
-import handlers.torchserve_handler
+import handlers.serving.torchserve_handler
 after_handler = loaded()
-from handlers import compile_cache
+from handlers.rungs import compile_cache
 cache = compile_cache.prepare(None)
 import torch._dynamo
 from torch._inductor.runtime.cache_dir_utils import cache_dir

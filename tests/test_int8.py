@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers import hardware, quantize, race
-from handlers.config import CompileSpec, ConfigError, DType, load_config
-from handlers.engine import Engine
-from handlers.ladder import QualityError
+from handlers.config import Choice, CompileSpec, ConfigError, DType, load_config
+from handlers.cpu import features as cpu
+from handlers.ladder import QualityError, race
+from handlers.precision import choice as precisions
+from handlers.precision import quantize
+from handlers.serving.engine import Engine
 from handlers.tasks.base import score_gate, softmax_scores
 
 CPU = torch.device("cpu")
@@ -29,10 +31,10 @@ TEXTS = ["int8 keeps two nines of cosine", "a second, rather longer sentence abo
 def test_int8_is_tried_on_every_cpu_its_weights_in_7_bits_where_the_cpu_has_no_int8_dot_products():
     configured = (INT8, BF16, FP32)
     for features in (VNNI_AND_BF16, AVX2_ONLY):
-        assert hardware.resolve_precisions(configured, CPU, features) == hardware.Choice(configured, "configured")
-    assert hardware.int8_weights(VNNI_AND_BF16) is quantize.Int8Weights.FULL
-    assert hardware.int8_weights({"avx_vnni": True}) is quantize.Int8Weights.FULL
-    assert hardware.int8_weights(AVX2_ONLY) is quantize.Int8Weights.SEVEN_BITS
+        assert precisions.resolve_precisions(configured, CPU, features) == Choice(configured, "configured")
+    assert precisions.int8_weights(VNNI_AND_BF16) is quantize.Int8Weights.FULL
+    assert precisions.int8_weights({"avx_vnni": True}) is quantize.Int8Weights.FULL
+    assert precisions.int8_weights(AVX2_ONLY) is quantize.Int8Weights.SEVEN_BITS
     assert quantize.Int8Weights.SEVEN_BITS.describe().startswith("weights in [-64, 63]: the CPU has none of amx_int8")
     assert "int8 is CPU-only here" in quantize.int8_problem(torch.device("cuda"))
 
@@ -40,17 +42,17 @@ def test_int8_is_tried_on_every_cpu_its_weights_in_7_bits_where_the_cpu_has_no_i
 @pytest.mark.torchao
 def test_auto_never_picks_int8_and_int8_then_auto_takes_what_auto_picks():
     amx = {"amx_bf16": True, "amx_int8": True}
-    assert hardware.resolve_precisions((AUTO,), CPU, amx).value == (BF16, FP32)
-    choice = hardware.resolve_precisions((INT8, AUTO), CPU, amx)
+    assert precisions.resolve_precisions((AUTO,), CPU, amx).value == (BF16, FP32)
+    choice = precisions.resolve_precisions((INT8, AUTO), CPU, amx)
     assert choice.value == (INT8, BF16, FP32) and "auto: the CPU has amx_bf16" in choice.reason
-    assert hardware.resolve_precisions((INT8, AUTO), CPU, {"avx512_vnni": True}).value == (INT8, FP32)
-    assert hardware.resolve_precisions((INT8, AUTO), CPU, AVX2_ONLY).value == (INT8, FP32)
+    assert precisions.resolve_precisions((INT8, AUTO), CPU, {"avx512_vnni": True}).value == (INT8, FP32)
+    assert precisions.resolve_precisions((INT8, AUTO), CPU, AVX2_ONLY).value == (INT8, FP32)
 
 
 def test_without_torchao_int8_is_left_out_and_describe_says_why():
     """The ipex profile (torch 2.8) has no torchao; the default profile has, and there int8 is kept."""
     problem = quantize.probe_torchao()[1]
-    choice = hardware.resolve_precisions((INT8, FP32), CPU, VNNI_AND_BF16)
+    choice = precisions.resolve_precisions((INT8, FP32), CPU, VNNI_AND_BF16)
     if problem is None:
         assert choice.value == (INT8, FP32)
     else:
@@ -152,7 +154,7 @@ def test_minilm_embeddings_compile_in_int8_within_the_gate(minilm_dir, reference
         f"calibrated on the warmup batches ({warmed} batches); judged on the {warmed} warmup batches and {warmed} "
         f"held-out batches of {sum(size for size, _ in engine.shapes.warmup_shapes())} texts of the vocabulary's")
     assert optimization["int8_calibration"].startswith(said), optimization["int8_calibration"]
-    assert optimization["int8_weights"] == hardware.int8_weights().describe()
+    assert optimization["int8_weights"] == precisions.int8_weights().describe()
     for attempt in optimization["attempts"][:2]:
         assert attempt["quality"]["metric"] == "min_cosine"
         assert attempt["quality"]["threshold"] == 0.99 <= attempt["quality"]["value"] < 0.9999
@@ -247,10 +249,10 @@ def test_the_int8_weights_this_cpu_gets_keep_its_matmuls_exact_where_full_range_
     exactly those where full-range ones would be wrong. (``torch._int_mm``, s8 x s8, is exact on that EPYC: the
     rung's own kernel is what is judged.) On an AVX-512 machine PT2_TEST_ISA=avx2 runs this as an AVX2-only CPU
     does."""
-    features = hardware.cpu_features()
-    assert int8_matmul_is_exact(hardware.int8_weights()), features
+    features = cpu.cpu_features()
+    assert int8_matmul_is_exact(precisions.int8_weights()), features
     full_is_exact = int8_matmul_is_exact(quantize.Int8Weights.FULL)
-    assert full_is_exact == (hardware.int8_weights() is quantize.Int8Weights.FULL), features
+    assert full_is_exact == (precisions.int8_weights() is quantize.Int8Weights.FULL), features
 
 
 @pytest.mark.torchao

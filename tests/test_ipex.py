@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from handlers.config import load_config
-from handlers.engine import Engine
-from handlers.hardware import linux_cpu_flags
-from handlers.ipex import probe_ipex
+from handlers.cpu.features import linux_cpu_flags
+from handlers.rungs.ipex import probe_ipex
+from handlers.serving.engine import Engine
 
 pytestmark = pytest.mark.ipex
 

@@ -37,7 +37,7 @@ def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_the_mismatched_wheel_is_skipped_with_the_version_reason(wheel_env):
     raw = run_python("import intel_extension_for_pytorch", wheel_env)
     assert raw.returncode != 0 and "AttributeError" in raw.stderr, "the wheel imports here: this proves nothing"
-    probe = run_python("from handlers.ipex import probe_ipex; print(probe_ipex()[1])", wheel_env)
+    probe = run_python("from handlers.rungs.ipex import probe_ipex; print(probe_ipex()[1])", wheel_env)
     assert probe.returncode == 0, probe.stderr
     assert "intel_extension_for_pytorch 2.8.0 works only with torch 2.8.*" in probe.stdout
     assert "version mismatch; not imported" in probe.stdout

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from handlers.config import CompileSpec, DType, RungName, load_config
-from handlers.dynamo_watch import dynamo_counts
-from handlers.guard import GuardedForward, ShapeNotWarmed, is_refused_recompile
-from handlers import global_state, race
-from handlers.ladder import AttemptStatus, Calibration, QualityError, run_ladder
-from handlers.memory import Memory
+from handlers.config.shapes import AfterReady
+from handlers.ladder import AttemptStatus, Calibration, QualityError, race, run_ladder
+from handlers.ladder.decisions import Memory
+from handlers.ladder.guard import GuardedForward, ShapeNotWarmed, is_refused_recompile
 from handlers.rungs import CompileRung, EagerRung, IpexRung, Rung, build_ladder
-from handlers.ipex import probe_ipex
-from handlers.shapes import AfterReady
+from handlers.rungs import thread_guard as global_state
+from handlers.rungs.dynamo_counts import dynamo_counts
+from handlers.rungs.ipex import probe_ipex
 from handlers.tasks.embeddings import CosineGate
 
 GATE = CosineGate(0.9999)
@@ -814,14 +814,14 @@ def test_a_cpu_worker_without_a_cpp_compiler_skips_the_inductor_rungs_at_once():
     backend (no C++) still gets its try."""
     from torch._inductor import config as inductor_config
 
-    from handlers import hardware
+    from handlers.cpu import features
 
     cpu = torch.device("cpu")
-    assert hardware.cpp_compiler_problem(cpu) is None  # this machine has g++
+    assert features.cpp_compiler_problem(cpu) is None  # this machine has g++
     with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
-        problem = hardware.cpp_compiler_problem(cpu)
+        problem = features.cpp_compiler_problem(cpu)
     assert problem is not None and "needs a C++ compiler and none works here" in problem
-    assert hardware.cpp_compiler_problem(torch.device("meta")) is None
+    assert features.cpp_compiler_problem(torch.device("meta")) is None
     config = load_config({"pt2": {"compile": {"enable": True, "backend": "tests.faulty_backends:raise_on_compile"}},
                           "pt2_handlers": {"ladder": ["compile", "safe_compile", "eager"]}})
     rungs = build_ladder(config, cpu, inductor_unavailable=problem)
@@ -892,7 +892,7 @@ def test_a_compiled_forward_is_proven_at_each_thread_count_it_may_be_given(net, 
 
 
 def test_an_inductor_compile_on_shared_cores_serves_every_count_with_the_same_graphs(net, batches, two_threads):
-    """handlers.global_state: compiled with kernels that follow the thread count, the forward leaves dynamo's
+    """handlers.rungs.thread_guard: compiled with kernels that follow the thread count, the forward leaves dynamo's
     global-state guard out and checks the rest of that state itself. Under torch 2.8, which always adds the guard,
     each count compiles its own graphs, as in the test above."""
     rung = CompileRung("compile", CompileSpec(enabled=True, backend="inductor", threads_follow=True))

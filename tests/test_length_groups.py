@@ -1,5 +1,6 @@
-"""Rows of mixed lengths run in groups of similar length (handlers.length_groups): the grouping, the cost model fitted
-from the served forward's times, and the engine answering exactly as one padded batch would, in the batch's order."""
+"""Rows of mixed lengths run in groups of similar length (handlers.serving.length_groups): the grouping, the cost model
+fitted from the served forward's times, and the engine answering exactly as one padded batch would, in the batch's
+order."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ import time
 import pytest
 import torch
 
-from handlers import length_groups
-from handlers.length_groups import (MAX_FIT_ERROR, CostModel, LookAgain, NoCostModel, groups, kept_key, measure,
-                                    row_groups, take_groups)
+from handlers.serving import length_groups
+from handlers.serving.length_groups import (
+    MAX_FIT_ERROR,
+    CostModel,
+    LookAgain,
+    NoCostModel,
+    groups,
+    kept_key,
+    measure,
+    row_groups,
+    take_groups,
+)
 from tests.test_embeddings import make_engine
 
 
@@ -71,7 +81,7 @@ def test_measure_times_each_shape_and_refuses_what_it_cannot_time(quiet_load_cou
 def test_times_that_fit_no_cost_model_give_none_and_say_why(monkeypatch):
     """A forward timed while something else ran (here: times that grow and shrink at random) fits no model: every
     batch then runs as one, as before, and describe says why."""
-    from handlers import race
+    from handlers.ladder import race
 
     times = iter([50.0, 2.0, 90.0, 3.0])
     monkeypatch.setattr(race, "run_race", lambda forwards, *args, **kwargs: race.Race(
@@ -98,7 +108,7 @@ def test_a_forward_that_fails_while_timed_gives_no_model_and_no_failed_load():
 def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
     """A quiet worker's model is kept beside the compile cache; the next worker of the same forward reads it (a busy
     one could not time its own), and another forward (other options, another machine) times its own."""
-    from handlers.memory import Memory
+    from handlers.ladder.decisions import Memory
 
     kept = Memory(tmp_path)
     calls = []
@@ -124,7 +134,7 @@ def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
 def test_a_worker_without_a_model_looks_again_while_it_serves_for_one_a_sibling_kept(tmp_path):
     """A worker that timed a busy machine at load got no model; a sibling of the same forward that loaded later, on
     a quiet moment, kept one. The first finds it at its next look (every ``every_s``), never times live."""
-    from handlers.memory import Memory
+    from handlers.ladder.decisions import Memory
 
     kept, now = Memory(tmp_path), [100.0]
     batches = [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16), (4, 64)]]
@@ -191,7 +201,7 @@ def test_the_engine_takes_up_a_model_a_sibling_kept_since_load(grouping_engine, 
     """The engine's side of ``LookAgain``: a worker serving without a model groups rows once a sibling's appears."""
     import dataclasses
 
-    from handlers.memory import Memory
+    from handlers.ladder.decisions import Memory
 
     engine, kept = grouping_engine, Memory(tmp_path)
     fitted = engine.length_cost

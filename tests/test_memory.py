@@ -1,5 +1,5 @@
-"""What a load keeps for the next (handlers.memory): records that never fail a load, keys that change with what a
-decision depends on, and a ladder that measures again where a record cannot be read."""
+"""What a load keeps for the next (handlers.ladder.decisions): records that never fail a load, keys that change with
+what a decision depends on, and a ladder that measures again where a record cannot be read."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import logging
 
 import torch
 
-from handlers import race
 from handlers.config import CompileSpec, DType
-from handlers.ladder import run_ladder
-from handlers.memory import Memory, batch_tensors, fingerprint
+from handlers.ladder import race, run_ladder
+from handlers.ladder.decisions import Memory, batch_tensors, fingerprint
 from handlers.rungs import CompileRung, EagerRung
 from handlers.tasks.embeddings import CosineGate
 from tests.test_ladder import SmallNet
@@ -29,7 +28,7 @@ def test_a_record_that_cannot_be_read_or_kept_never_fails_a_load(tmp_path, caplo
     memory = Memory(tmp_path)
     (tmp_path / "torn.json").write_text('{"ms": [1.5,', encoding="utf-8")
     (tmp_path / "list.json").write_text("[1, 2]", encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="handlers.memory"):
+    with caplog.at_level(logging.WARNING, logger="handlers.ladder.decisions"):
         assert memory.recall("torn") is None and memory.recall("list") is None
     assert "the remembered record torn cannot be read" in caplog.text
     blocked = tmp_path / "a-file"

@@ -1,15 +1,15 @@
-"""Linear layers reading one tensor, each only reshaped after, quantized as one (handlers.merged_linears): an attention
-block's query, key and value. The same answers; left alone where a layer's output goes on to anything but a reshape,
-where a layer stays float, or where the inputs differ; once compiled, one oneDNN int8 linear where there were three.
-Real torch.export, real PT2E, real inductor, on a small model."""
+"""Linear layers reading one tensor, each only reshaped after, quantized as one (handlers.precision.merged_linears): an
+attention block's query, key and value. The same answers; left alone where a layer's output goes on to anything but a
+reshape, where a layer stays float, or where the inputs differ; once compiled, one oneDNN int8 linear where there were
+three. Real torch.export, real PT2E, real inductor, on a small model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from handlers import merged_linears, quantize
 from handlers.config import CompileSpec, DType
+from handlers.precision import merged_linears, quantize
 from handlers.rungs import CompileRung
 from tests.test_outlier_producers import examples, exported  # the same 16-feature inputs, exported alike
 

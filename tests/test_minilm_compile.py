@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from handlers import fused_attention
 from handlers.config import load_config
-from handlers.engine import Engine
+from handlers.cpu import fused_attention
+from handlers.serving.engine import Engine
 from tests.test_precision import auto_served
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Compiles leave out dynamo's guards on the model's attributes only where the model's own forwards leave them as
-they were (handlers.module_guards): the ladder looks, describe says which and why, and two compiled copies of one
+they were (handlers.rungs.module_guards): the ladder looks, describe says which and why, and two compiled copies of one
 class still run their own graphs."""
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from handlers import module_guards
 from handlers.config import CompileSpec, DType, ModuleGuards, load_config
-from handlers.dynamo_watch import dynamo_counts
 from handlers.errors import ConfigError
 from handlers.ladder import run_ladder
-from handlers.rungs import CompileRung, EagerRung
+from handlers.rungs import CompileRung, EagerRung, module_guards
+from handlers.rungs.dynamo_counts import dynamo_counts
 from handlers.tasks.embeddings import CosineGate
 
 GATE = CosineGate(0.9999)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers import open_inference
 from handlers.config import load_config
-from handlers.engine import Engine
 from handlers.errors import InvalidInput
-from handlers.open_inference import OpenInferenceError
+from handlers.serving.engine import Engine
+from handlers.tasks import open_inference
+from handlers.tasks.open_inference import OpenInferenceError
 
 
 def v2(*inputs: dict, **extra) -> dict:

@@ -1,4 +1,4 @@
-"""handlers.openmp_pause: a forward that followed another worker's on shared cores ends its OpenMP threads."""
+"""handlers.cpu.openmp_pause: a forward that followed another worker's on shared cores ends its OpenMP threads."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from handlers import openmp_pause
-from handlers.openmp_pause import OpenMPPause
+from handlers.cpu import openmp_pause
+from handlers.cpu.openmp_pause import OpenMPPause
 from tests.test_core_share import LONG_TEXT
 from tests.test_embeddings import EAGER_ONLY, make_engine
 
@@ -18,7 +18,7 @@ from tests.test_embeddings import EAGER_ONLY, make_engine
 COUNT_THREADS = textwrap.dedent("""
     import os, time
     import torch
-    from handlers.openmp_pause import OpenMPPause
+    from handlers.cpu.openmp_pause import OpenMPPause
 
     def threads():
         return len(os.listdir("/proc/self/task"))

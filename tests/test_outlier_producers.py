@@ -1,15 +1,15 @@
 """A split FFN output whose input is GELU of another linear layer: that producer rewritten so its int8 form fuses
-(handlers.outlier_producers). Exact in float; left alone where the pattern is not there; quantized as the producer;
-and once compiled, the producer's int8 linear writes GELU's output quantized, in one oneDNN call. Real torch.export,
-real PT2E, real inductor, on a small model."""
+(handlers.precision.outlier_producers). Exact in float; left alone where the pattern is not there; quantized as the
+producer; and once compiled, the producer's int8 linear writes GELU's output quantized, in one oneDNN call. Real
+torch.export, real PT2E, real inductor, on a small model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from handlers import outlier_producers, quantize
 from handlers.config import CompileSpec, DType
+from handlers.precision import outlier_producers, quantize
 from handlers.rungs import CompileRung
 
 pytestmark = pytest.mark.torchao

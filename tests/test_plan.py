@@ -1,11 +1,11 @@
-"""The ladder's order of attempts (handlers.plan), as a value: no model, no torch. Each case gives the outcome
+"""The ladder's order of attempts (handlers.ladder.plan), as a value: no model, no torch. Each case gives the outcome
 of every step the plan may ask for, and checks which steps it asked for, in order, and which one serves."""
 
 from __future__ import annotations
 
 import pytest
 
-from handlers.plan import REFERENCE, Outcome, Step, walk
+from handlers.ladder.plan import REFERENCE, Outcome, Step, walk
 
 RUNGS = ("compile", "safe_compile", "ipex", "eager")
 BF16_FP32 = ("bfloat16", "float32")

@@ -1,6 +1,6 @@
-"""handlers/pooling.py: an embeddings model is served with its own sentence-transformers pooling and normalisation,
-read from its directory, and its answers equal sentence-transformers' for that directory; a module pt2-handlers does
-not compute is refused at load."""
+"""handlers/tasks/pooling.py: an embeddings model is served with its own sentence-transformers pooling and
+normalisation, read from its directory, and its answers equal sentence-transformers' for that directory; a module
+pt2-handlers does not compute is refused at load."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers import pooling
 from handlers.errors import ModelLoadError
+from handlers.tasks import pooling
 from tests.test_embeddings import make_engine
 
 TEXTS = ["a short one", "a rather longer sentence about serving models and their pooling", "third"]

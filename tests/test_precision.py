@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from handlers.config import load_config
-from handlers.engine import Engine
+from handlers.serving.engine import Engine
 
 SHAPES = {"policy": "dynamic", "batch_sizes": [1, 2], "seq_lengths": [32]}
 

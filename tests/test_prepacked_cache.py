@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from handlers import hardware, prepacked_cache, quantize
 from handlers.config import CompileSpec, DType
-from handlers.rungs import CompileRung
+from handlers.precision import choice, quantize
+from handlers.rungs import CompileRung, prepacked_cache
 
 FEATURES, HIDDEN = 64, 128
 EXAMPLES = [{"inputs": torch.randn(rows, FEATURES, generator=torch.Generator().manual_seed(rows))} for rows in (4, 8)]
@@ -37,7 +37,7 @@ def _compiled(dtype: DType, flipped: bool) -> tuple[torch.nn.Module, torch.Tenso
     spec = CompileSpec(enabled=True, backend="inductor")
     if dtype is DType.INT8:
         module = quantize.static_int8(module, EXAMPLES, keep_float=lambda name, layer: False,
-                                      weights=hardware.int8_weights())  # as the rung builds it on this CPU
+                                      weights=choice.int8_weights())  # as the rung builds it on this CPU
     else:
         spec = CompileSpec(enabled=True, backend="inductor", dynamic=True, freezing=True)
     rung = CompileRung("compile", spec)

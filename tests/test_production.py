@@ -29,8 +29,14 @@ import soak  # noqa: E402
 import tsctl  # noqa: E402
 
 from tests.conftest import port_shift  # noqa: E402
-from tests.test_torchserve import (TEXTS, assert_close_embeddings, describe, manage, predict,  # noqa: E402
-                                   stop_and_check_no_key_leaked)
+from tests.test_torchserve import (  # noqa: E402
+    TEXTS,
+    assert_close_embeddings,
+    describe,
+    manage,
+    predict,
+    stop_and_check_no_key_leaked,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.default_profile]
 

@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from handlers.config import load_config
-from handlers.engine import Engine
 from handlers.errors import InvalidInput, ModelLoadError
+from handlers.serving.engine import Engine
 from tests import pipeline_reference
 
 SHIPPED_YAML = Path(__file__).resolve().parent.parent / "model_configs" / "minilm-question-answering.yaml"
@@ -129,7 +129,7 @@ def test_the_windows_come_from_the_rust_backend_and_transformers_path_answers_th
             assert_same_answer(ours, theirs, tolerance=0.0)
 
 
-@pytest.mark.default_profile  # torch 2.13's unbacked sizes (handlers.unbacked_rows); torch 2.8 traces as before
+@pytest.mark.default_profile  # torch 2.13's unbacked sizes (handlers.rungs.unbacked_batch); torch 2.8 traces as before
 def test_the_shipped_compile_serves_batch_1_and_larger_batches_with_one_graph(qa, task_model_dirs):
     """The QA head's squeezed logits made inductor guard the batch on 1, so batch 4 compiled a second graph (two
     cold compiles per load); traced with unbacked rows, the one graph serves both, with the eager engine's answers."""

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from handlers.config import DType, load_config
+from handlers.config.task_facts import TASK_FACTS
 from handlers.errors import ConfigError
-from handlers.task_catalog import TASK_FACTS
 from handlers.tasks import check_task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_an_editor_flags_the_mistakes_the_schema_can_see(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(TASK_FACTS))
 def test_the_catalog_names_each_task_class_and_its_gate(name):
-    """Config validates against handlers/task_catalog.py; the task class found there reads its facts from it, and
+    """Config validates against handlers/config/task_facts.py; the task class found there reads its facts from it, and
     its gate's defaults are the catalog's."""
     facts, task_class = TASK_FACTS[name], check_task(name)
     assert f"{task_class.__module__}:{task_class.__name__}" == facts.location and task_class.name == name

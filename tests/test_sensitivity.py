@@ -1,6 +1,6 @@
 """int8 beyond its rule: which of the layers static int8 keeps in float it can quantize too, measured one at a time
-(handlers.sensitivity), and the ladder building int8 again by the rule when the measured layers together lose the
-answers. Real PT2E quantization, real fake quantization; the models are small and built to be sensitive where
+(handlers.precision.sensitivity), and the ladder building int8 again by the rule when the measured layers together lose
+the answers. Real PT2E quantization, real fake quantization; the models are small and built to be sensitive where
 the tests say."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handlers import quantize, sensitivity
-from handlers.memory import Memory
 from handlers.config import CompileSpec, DType
 from handlers.ladder import AttemptStatus, run_ladder
+from handlers.ladder.decisions import Memory
+from handlers.precision import quantize, sensitivity
 from handlers.rungs import CompileRung, EagerRung
 from handlers.tasks.embeddings import CosineGate
 
@@ -103,7 +103,7 @@ def test_a_layer_split_around_its_outlier_channels_computes_the_same_and_quantiz
                                                                                                       "down_many"))
     targets = [str(node.target) for node in quantized.graph.graph.nodes if node.op == "call_function"]
     # the three widening layers, down_one's main part, and up_one's rows for the channels down_one keeps in float
-    # (their own int8 linear, so up_one fuses GELU and its quantize step: handlers.outlier_producers): five
+    # (their own int8 linear, so up_one fuses GELU and its quantize step: handlers.precision.outlier_producers): five
     assert targets.count("quantized_decomposed.dequantize_per_channel.default") == 5, targets
 
 

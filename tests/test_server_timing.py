@@ -1,8 +1,9 @@
-"""handlers/server_timing.py: the Server-Timing header of each answer (served for real: tests/test_torchserve.py)."""
+"""handlers/serving/server_timing.py: the Server-Timing header of each answer (served for real:
+tests/test_torchserve.py)."""
 
 from __future__ import annotations
 
-from handlers import server_timing
+from handlers.serving import server_timing
 
 
 def test_the_header_lists_the_stages_in_order_then_the_handler_and_the_batch():

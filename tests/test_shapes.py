@@ -1,12 +1,12 @@
-"""handlers/shapes.py: the padded shape each batch runs at."""
+"""handlers/config/shapes.py: the padded shape each batch runs at."""
 
 from __future__ import annotations
 
 import torch
 
 from handlers.config import CompileSpec, DType
+from handlers.config.shapes import PolicyKind, ShapePolicy, pad_batch
 from handlers.rungs import CompileRung, EagerRung
-from handlers.shapes import PolicyKind, ShapePolicy, pad_batch
 
 
 def half(policy: ShapePolicy) -> ShapePolicy:

@@ -1,6 +1,6 @@
-"""``shapes.small_batch_tokens``: small batches through a second graph of the compile rung (handlers.small_batches).
-The config refuses what could not work, the batches go to the graph their size says, both graphs are traced before
-READY and none after, and the answers are the model's."""
+"""``shapes.small_batch_tokens``: small batches through a second graph of the compile rung
+(handlers.rungs.small_batch_graph). The config refuses what could not work, the batches go to the graph their size
+says, both graphs are traced before READY and none after, and the answers are the model's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from handlers.config import CompileSpec, ConfigError, DType, load_config
-from handlers.dynamo_watch import dynamo_counts
 from handlers.rungs import CompileRung
-from handlers.small_batches import SmallBatchForward, tokens_of, unsupported_reason
+from handlers.rungs.dynamo_counts import dynamo_counts
+from handlers.rungs.small_batch_graph import SmallBatchForward, tokens_of, unsupported_reason
 
 SMALL = 32
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from handlers.config import load_config
-from handlers.engine import Engine
 from handlers.errors import InvalidInput
+from handlers.serving.engine import Engine
 
 TEXTS = [
     "Angela Merkel visited the Élysée in Paris with Apple's Tim Cook on Tuesday.",

@@ -23,9 +23,11 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import tsctl  # noqa: E402
 
-from handlers import hardware, quantize, server_timing  # noqa: E402
 from handlers.config import DType  # noqa: E402
-from handlers.ipex import probe_ipex  # noqa: E402
+from handlers.cpu import features  # noqa: E402
+from handlers.precision import choice, quantize  # noqa: E402
+from handlers.rungs.ipex import probe_ipex  # noqa: E402
+from handlers.serving import server_timing  # noqa: E402
 from tests.conftest import SHARED_STORE_ENV, port_shift  # noqa: E402
 from tests.test_int8 import assert_raced  # noqa: E402
 from tests.test_precision import auto_served  # noqa: E402
@@ -115,7 +117,8 @@ def test_package_stores_the_weights_unless_asked_to_deflate_them(tmp_path, tiny_
         with zipfile.ZipFile(tmp_path / archive_format / "tiny.mar") as mar:
             weights = mar.getinfo("model/model.safetensors")
             assert weights.compress_type == compression, (archive_format, weights)
-            assert {"torchserve_handler.py", "handlers/engine.py", "MAR-INF/MANIFEST.json"} <= set(mar.namelist())
+            assert {"torchserve_handler.py", "handlers/serving/engine.py",
+                    "MAR-INF/MANIFEST.json"} <= set(mar.namelist())
 
 
 def test_package_refuses_a_model_with_only_pickled_weights(tmp_path, tiny_bert_dir):
@@ -172,7 +175,7 @@ def test_archive_is_self_contained(model_store):
         assert hashlib.sha256((model_store / "minilm.mar").read_bytes()).hexdigest() == digest
     with zipfile.ZipFile(model_store / "minilm.mar") as archive:
         names = set(archive.namelist())
-    assert {"torchserve_handler.py", "handlers/engine.py", "handlers/tasks/embeddings.py",
+    assert {"torchserve_handler.py", "handlers/serving/engine.py", "handlers/tasks/embeddings.py",
             "model/model.safetensors", "model/tokenizer.json", "minilm-embeddings.yaml"} <= names
     assert not any(name.endswith((".bin", ".pt", ".pth")) for name in names)
     env = tsctl.server_env(model_store)
@@ -199,8 +202,8 @@ def timed_post(server, body: bytes, model: str = "minilm") -> tuple[int, str | N
 
 
 def test_every_answer_carries_its_batchs_server_timing(server):
-    """handlers/server_timing.py through TorchServe: a lone request's stages in the order run, the handler's whole
-    call (the stages within it, itself within what the client waited), its batch of one; a body that is not JSON
+    """handlers/serving/server_timing.py through TorchServe: a lone request's stages in the order run, the handler's
+    whole call (the stages within it, itself within what the client waited), its batch of one; a body that is not JSON
     stops after parsing, refused with the stages it went through."""
     status, value, waited = timed_post(server, b'{"text": "hello world"}')
     timing = server_timing.durations(value or "")
@@ -293,7 +296,7 @@ def test_describe_shows_the_ladder_and_the_fast_path(server):
     assert optimization["active"] == "compile"
     # dtype auto: whatever this CPU resolves it to (tests/test_config.py covers both kinds with injected flags),
     # MiniLM's embeddings keep the gate in the fastest precision, so compile serves in it.
-    plan = [p.value for p in hardware.resolve_precisions((DType.AUTO,), torch.device("cpu")).value]
+    plan = [p.value for p in choice.resolve_precisions((DType.AUTO,), torch.device("cpu")).value]
     assert optimization["precisions"]["tried_in_order"] == plan
     served = auto_served(optimization, plan)  # bf16 where it is faster than fp32 here
     accepted = accepted_attempt(optimization)
@@ -458,11 +461,12 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
 
 def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str], model: str = "minilm") -> None:
     """Each worker proved its rung (its READY line) with FX graphs from the compile cache: hits, no misses, none
-    bypassed (a frozen int8 graph included: ``handlers.prepacked_cache``). Where auto's bf16 screen races fp32 eager
-    (CPUs with bf16 instructions), a new worker follows the race the first one kept (``handlers.memory``): one that
-    raced while the others loaded beside it could pick the other precision, whose graph no worker compiled (workers
-    on the same cores now load in turn, ``CoreShare.loading``, and still follow it)."""
-    autos_bf16_is_raced = DType.BFLOAT16 in hardware.resolve_precisions((DType.AUTO,), torch.device("cpu")).value
+    bypassed (a frozen int8 graph included: ``handlers.rungs.prepacked_cache``). Where auto's bf16 screen races fp32
+    eager (CPUs with bf16 instructions), a new worker follows the race the first one kept
+    (``handlers.ladder.decisions``): one that raced while the others loaded beside it could pick the other precision,
+    whose graph no worker compiled (workers on the same cores now load in turn, ``CoreShare.loading``, and still
+    follow it)."""
+    autos_bf16_is_raced = DType.BFLOAT16 in choice.resolve_precisions((DType.AUTO,), torch.device("cpu")).value
     for worker_id in worker_ids:
         lines = [line for line in log_text.splitlines() if f"W-{worker_id}-{model}_" in line]
         ready = [line for line in lines if f"model {model} READY on rung compile" in line]
@@ -573,7 +577,7 @@ def test_the_int8_archive_serves_int8_where_it_passes_and_pays(server, reference
     assert tried[0] == "int8", optimization["precisions"]
     # judged on held-out texts too, then raced against the next precision auto picks
     assert optimization["int8_calibration"].startswith("calibrated on the warmup batches (")
-    dot_products = any(hardware.cpu_features().get(name) for name in quantize.INT8_CPU_FEATURES)
+    dot_products = any(features.cpu_features().get(name) for name in quantize.INT8_CPU_FEATURES)
     assert optimization["int8_weights"].startswith(
         "weights in [-128, 127]" if dot_products else "weights in [-64, 63]"), optimization["int8_weights"]
     screen = next(a for a in optimization["attempts"] if a["screen"] and a["dtype"] == "int8")
@@ -605,8 +609,9 @@ def test_the_int8_archive_serves_int8_where_it_passes_and_pays(server, reference
     assert len(new) == 1, describe(server, "minilm-int8")["workers"]
     assert_loaded_from_the_cache(log.read_text(errors="replace")[offset:], new, model="minilm-int8")
     # Though the YAML says minWorkers 1, the two take requests in turn: a forward on more than one thread (a text
-    # past the idle rule's 64 tokens) that followed the other worker's ends its OpenMP threads (handlers.openmp_pause).
-    # (Requests in threes between two describes: a describe is a job for a worker too, taken in turn with them.)
+    # past the idle rule's 64 tokens) that followed the other worker's ends its OpenMP threads
+    # (handlers.cpu.openmp_pause). (Requests in threes between two describes: a describe is a job for a worker too,
+    # taken in turn with them.)
     long_text = " ".join(TEXTS * 3)
     said = ""
     for _ in range(8):
@@ -913,7 +918,7 @@ def infer_v2(server, model: str, body: dict, key: str | None = "inference") -> t
 
 def assert_same_entities(got: list[list[dict]], want: list[list[dict]]) -> None:
     """The same entities, words and spans; scores equal to float32's last digits. A forward after idle cores runs on
-    one thread (handlers/idle_cores.py), the next on two: a float32 rung's sums then end ~1e-6 apart."""
+    one thread (handlers/cpu/idle_cores.py), the next on two: a float32 rung's sums then end ~1e-6 apart."""
     def without_scores(rows: list[list[dict]]) -> list[list[dict]]:
         return [[{**entity, "score": None} for entity in row] for row in rows]
 

@@ -23,13 +23,24 @@ from pydantic import ValidationError
 from handlers.config.problems import problems_of
 from handlers.config.schema import ModelYaml, validate_model_yaml
 from handlers.config.settings import SettingsSection, shape_policy
-from handlers.config.values import (Attention, CompileSpec, DType, HandlerConfig, HandlerSettings, ModuleGuards,
-                                    RungName, TooLong, resolve_backend)
+from handlers.config.task_facts import TASK_FACTS
+from handlers.config.values import (
+    IPEX_BACKEND,
+    Attention,
+    Choice,
+    CompileSpec,
+    DType,
+    HandlerConfig,
+    HandlerSettings,
+    ModuleGuards,
+    RungName,
+    TooLong,
+    resolve_backend,
+)
 from handlers.errors import ConfigError
-from handlers.task_catalog import TASK_FACTS
 
-__all__ = ["Attention", "CompileSpec", "DType", "HandlerConfig", "HandlerSettings", "ModuleGuards", "RungName",
-           "TooLong", "load_config", "load_config_file", "resolve_backend"]
+__all__ = ["IPEX_BACKEND", "Attention", "Choice", "CompileSpec", "DType", "HandlerConfig", "HandlerSettings",
+           "ModuleGuards", "RungName", "TooLong", "load_config", "load_config_file", "resolve_backend"]
 
 
 def load_config_file(path: Path) -> HandlerConfig:

@@ -9,8 +9,7 @@ import torch
 from pydantic import ConfigDict, Field, StrictBool, StrictStr, ValidationInfo, WithJsonSchema, field_validator
 
 from handlers.config.fields import Section, did_you_mean, nearest, problem, problems, shown
-from handlers.config.values import resolve_backend
-from handlers.ipex import IPEX_BACKEND
+from handlers.config.values import IPEX_BACKEND, resolve_backend
 
 
 class CompileSection(Section):

@@ -1,5 +1,5 @@
 """``pt2_handlers``: this package's settings. What a key may hold can depend on the task (its gate keys, float32
-only, static shapes only: handlers/task_catalog.py) and on pt2's ``dynamic`` (told through the validation context).
+only, static shapes only: handlers/config/task_facts.py) and on pt2's ``dynamic`` (told through the validation context).
 """
 
 from __future__ import annotations
@@ -8,14 +8,34 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictStr, ValidationInfo,
-                      WithJsonSchema, create_model, field_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StrictStr,
+    ValidationInfo,
+    WithJsonSchema,
+    create_model,
+    field_validator,
+)
 
-from handlers.config.fields import (PositiveInt, PositiveInts, Seconds, Section, choose, did_you_mean, one_of, problem,
-                                    problems, shown)
+from handlers.config.fields import (
+    PositiveInt,
+    PositiveInts,
+    Seconds,
+    Section,
+    choose,
+    did_you_mean,
+    one_of,
+    problem,
+    problems,
+    shown,
+)
+from handlers.config.shapes import AfterReady, PolicyKind, ShapePolicy
+from handlers.config.task_facts import TASK_FACTS, TASK_NAMES
 from handlers.config.values import Attention, DType, HandlerSettings, ModuleGuards, RungName, TooLong
-from handlers.shapes import AfterReady, PolicyKind, ShapePolicy
-from handlers.task_catalog import TASK_FACTS, TASK_NAMES
 
 DEFAULTS = HandlerSettings()
 PRECISIONS = tuple(d.value for d in DType if d is not DType.AUTO)  # what a dtype list may name (and auto, last)

@@ -15,7 +15,18 @@ from typing import Any
 
 import torch
 
-from handlers.shapes import ShapePolicy
+from handlers.config.shapes import ShapePolicy
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A setting resolved at load (a precision, a thread count) and why it was chosen (shown in describe)."""
+
+    value: object
+    reason: str
+
+
+IPEX_BACKEND = "ipex"  # the torch.compile backend IPEX registers when imported
 
 
 class RungName(str, enum.Enum):
@@ -28,7 +39,7 @@ class RungName(str, enum.Enum):
 
 
 class DType(str, enum.Enum):
-    AUTO = "auto"  # resolved at load from the hardware (handlers.hardware.resolve_dtype)
+    AUTO = "auto"  # resolved at load from the hardware (handlers.precision.choice.resolve_precisions)
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
@@ -48,7 +59,7 @@ class TooLong(str, enum.Enum):
 
 
 class ModuleGuards(str, enum.Enum):
-    """Whether compiled forwards check dynamo's guards on the model's attributes (handlers.module_guards)."""
+    """Whether compiled forwards check dynamo's guards on the model's attributes (handlers.rungs.module_guards)."""
 
     AUTO = "auto"  # left out where the model's own eager forwards leave its attributes as they were
     KEEP = "keep"  # every guard, always
@@ -76,10 +87,10 @@ class CompileSpec:
     # half the cold compile and warm restart of two graphs, same speed.
     one_graph: bool = False
     # inductor's CPU kernels ask OpenMP for the thread count at each call instead of keeping the count they were
-    # compiled at: the worker shares its cores forward by forward (handlers.core_share)
+    # compiled at: the worker shares its cores forward by forward (handlers.cpu.core_share)
     threads_follow: bool = False
     # inductor, dynamic and frozen only: batches of at most this many tokens run a second graph whose matmuls
-    # inductor picks at that size (handlers.small_batches); 0: one graph
+    # inductor picks at that size (handlers.rungs.small_batch_graph); 0: one graph
     small_batch_tokens: int = 0
 
     def kwargs(self) -> dict[str, Any]:

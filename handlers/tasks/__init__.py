@@ -2,8 +2,8 @@
 
 Lazy on purpose: a task module imports transformers' models and pipelines, and those import
 ``torch._dynamo``, which dies on an unusable compile-cache directory. The TorchServe handler imports this
-package before it has checked that directory (handlers.compile_cache), so a task module is imported only
-when ``check_task`` is asked for its class. The names and locations are handlers/task_catalog.py's, which
+package before it has checked that directory (handlers.rungs.compile_cache), so a task module is imported only
+when ``check_task`` is asked for its class. The names and locations are handlers/config/task_facts.py's, which
 config validates against without importing this package (the task modules import config).
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from handlers.config.fields import did_you_mean
+from handlers.config.task_facts import TASK_FACTS, TASK_NAMES
 from handlers.errors import ConfigError
-from handlers.task_catalog import TASK_FACTS, TASK_NAMES
 from handlers.tasks.base import Task
 
 # task name -> "module:class" of its adapter

@@ -15,12 +15,12 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from handlers import open_inference
 from handlers.config import DType, TooLong
+from handlers.config.shapes import ShapePolicy
+from handlers.config.task_facts import SCORE_GATE, TASK_FACTS, GateFacts, TaskFacts
 from handlers.errors import ConfigError, InvalidInput
 from handlers.ladder import Forward, Quality, QualityError, QualityGate, tensors
-from handlers.shapes import ShapePolicy
-from handlers.task_catalog import SCORE_GATE, TASK_FACTS, GateFacts, TaskFacts
+from handlers.tasks import open_inference
 from handlers.tasks.batch_encoder import BatchEncoder
 
 WARMUP_WORDS = "the quick brown fox jumps over the lazy dog while a cat watches from the warm window".split()
@@ -55,14 +55,14 @@ class Served(Protocol):
 class Task(ABC):
     """One task. Subclasses set ``name``, ``model_class`` and ``default_too_long``, and implement the hooks. What
     configuration checks about a task (its gate keys and their defaults, default shapes, what it refuses) is in
-    ``handlers.task_catalog``, under its name: ``facts()``."""
+    ``handlers.config.task_facts``, under its name: ``facts()``."""
 
     name: ClassVar[str]
     model_class: ClassVar[Any]  # a transformers Auto* class
     default_too_long: ClassVar[TooLong] = TooLong.REJECT  # a text past max_length, unless the YAML says
     open_inference_output: ClassVar[str]  # the v2 output's name where an answer is one tensor
     # One output row per text, with no sequence axis, that the rows beside it do not change: the engine may then run
-    # a batch's rows in groups of similar length (handlers.length_groups).
+    # a batch's rows in groups of similar length (handlers.serving.length_groups).
     row_outputs: ClassVar[bool] = False
     encodes_texts: ClassVar[bool] = False  # preprocess tokenizes a batch of plain texts through the BatchEncoder
     runs_one_forward: ClassVar[bool] = True  # ``run`` is one forward of ``inputs`` (generation loops: False)
@@ -116,7 +116,7 @@ class Task(ABC):
 
     def to_open_inference(self, answer: Any, body: Any) -> list[dict[str, Any]]:
         """The v2 output tensors of the answer to ``body`` (what ``from_open_inference`` made): by default one
-        row per input string (see handlers/open_inference.py)."""
+        row per input string (see handlers/tasks/open_inference.py)."""
         return open_inference.to_tensors(self.open_inference_output, answer)
 
     def run(self, served: Served, encoded: Encoded, emit: Emit | None) -> Any:

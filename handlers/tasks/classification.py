@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import transformers
 
-from handlers import open_inference
 from handlers.errors import InvalidInput
+from handlers.tasks import open_inference
 from handlers.tasks.base import Encoded, ScoredTask
 
 DEFAULT_TOP_K = 1

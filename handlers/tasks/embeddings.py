@@ -1,6 +1,6 @@
 """Sentence embeddings as sentence-transformers computes them for the model: its pooling (the mean over the attention
 mask for all-MiniLM, the CLS token for BGE, ...) and its L2 normalisation, read from the model directory
-(handlers/pooling.py).
+(handlers/tasks/pooling.py).
 
 Accepted bodies, each answered in the shape its clients expect:
 
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import transformers
 
-from handlers import open_inference, pooling
 from handlers.config import DType, TooLong
 from handlers.errors import InvalidInput
 from handlers.ladder import QualityError, QualityGate, tensors
+from handlers.tasks import open_inference, pooling
 from handlers.tasks.base import Encoded, Task, gate_threshold
 
 logger = logging.getLogger(__name__)

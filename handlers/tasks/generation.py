@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import transformers
 
-from handlers import open_inference
 from handlers.config import DType, TooLong
 from handlers.errors import InvalidInput
 from handlers.ladder import Forward, QualityError, QualityGate, tensors
+from handlers.tasks import open_inference
 from handlers.tasks.base import Emit, Encoded, Served, Task, gate_threshold
 
 logger = logging.getLogger(__name__)

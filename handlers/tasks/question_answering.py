@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import transformers
 
-from handlers import open_inference
 from handlers.errors import InvalidInput, ModelLoadError, native_panic
+from handlers.tasks import open_inference
 from handlers.tasks.base import Encoded, ScoredTask
 from handlers.tasks.batch_encoder import ENCODING_FIELDS, WindowEncoder
 
@@ -64,7 +64,7 @@ class SpanLogits(torch.nn.Module):
     """The QA model's start and end logits in fp32 (what the span search reads)."""
 
     # The head's squeezed logits make inductor ask whether the batch is 1: traced with unbacked rows, one graph
-    # serves batch 1 too (handlers.unbacked_rows)
+    # serves batch 1 too (handlers.rungs.unbacked_batch)
     rows_unbacked_while_traced = True
 
     def __init__(self, model: torch.nn.Module):

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import transformers
 
-from handlers import open_inference
 from handlers.errors import InvalidInput, ModelLoadError
+from handlers.tasks import open_inference
 from handlers.tasks.base import Encoded, ScoredTask
 
 if TYPE_CHECKING:  # transformers.pipelines imports torch._dynamo: imported where used, not at import

@@ -1,7 +1,7 @@
 // Attention for compiled encoder graphs on AVX-512 CPUs: softmax(q k^T * scale + mask) v, one (batch, head) at a
 // time, whole, in registers and L1. PyTorch's CPU flash kernel cuts each head into blocks of 32 queries and calls two
 // small GEMMs per block: at head size 32 and a few hundred tokens those calls cost more than their arithmetic.
-// Built by handlers/fused_attention.py with the machine's compiler (-march=native) and registered as
+// Built by handlers/cpu/fused_attention.py with the machine's compiler (-march=native) and registered as
 // torch.ops.pt2_handlers.fused_attention.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,7 +21,7 @@
 #include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__)
-#error "fused_attention needs AVX-512 (F and BW); handlers/fused_attention.py builds it only where the CPU has them"
+#error "fused_attention needs AVX-512 (F and BW); handlers/cpu/fused_attention.py builds it only where the CPU has them"
 #endif
 
 namespace {

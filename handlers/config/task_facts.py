@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from handlers.shapes import ShapePolicy
+from handlers.config.shapes import ShapePolicy
 
 # The precisions each gate key covers, in the order GateFacts.keys lists them.
 GATE_KEY_PRECISIONS = ("fp32 rungs", "bf16/fp16 rungs", "int8 rungs")

@@ -14,19 +14,19 @@ Pure Python + torch (least squares, and the race's timing); no TorchServe import
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from handlers import race
-from handlers.memory import Memory, batch_tensors, fingerprint
+from handlers.ladder import race
+from handlers.ladder.decisions import Memory, batch_tensors, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ MIN_SHAPES = 3
 # A fit whose worst relative error at the shapes it was fitted to is larger says the times were not the forward's
 # alone (quiet fits of MiniLM on CPU D: 2-9 %; one timed while three archives compiled beside it: 61 %).
 MAX_FIT_ERROR = 0.25
-# How long the timing waits out a busy machine (``handlers.race``), shorter than a race: grouping is only a speed-up.
+# How long the timing waits out a busy machine (``handlers.ladder.race``), shorter than a race: grouping is only a
+# speed-up.
 PATIENCE_S = 10.0
 # How often a worker that could not time its forward looks for a model a sibling kept since (a file read).
 LOOK_AGAIN_S = 30.0
@@ -155,7 +156,7 @@ def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
             synchronize: Callable[[], None] = lambda: None, patience_s: float = PATIENCE_S,
             kept: Memory | None = None, key: str | None = None) -> CostModel | NoCostModel:
     """The cost model of ``forward`` (already warm at these shapes): its fastest of ``calls`` at each batch of named
-    [rows, seq] tensors, timed as the ladder's races are (``handlers.race``: run again while other processes keep
+    [rows, seq] tensors, timed as the ladder's races are (``handlers.ladder.race``: run again while other processes keep
     this worker waiting, for up to ``patience_s``), and fitted. A model an earlier load kept in ``kept`` under
     ``key`` (``kept_key``) is read instead; a new one is kept there. No model, and why, where the batches are not
     such mappings, the machine stayed busy, or the times do not fit the model (``MAX_FIT_ERROR``)."""

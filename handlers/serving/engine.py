@@ -8,26 +8,28 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from handlers import (calibration, compile_cache, fused_attention, hardware, idle_cores, length_groups, memory,
-                      open_inference, openmp_pause)
-from handlers.compile_cache import CacheDir
-from handlers.config import Attention, DType, HandlerConfig, ModuleGuards
+from handlers.config import Attention, Choice, DType, HandlerConfig, ModuleGuards
+from handlers.config.shapes import ShapePolicy, concat_rows, gather_rows, pad_batch, split_rows, take_rows
+from handlers.cpu import features, fused_attention, idle_cores, openmp_pause
+from handlers.cpu import threads as cpu_threads
 from handlers.errors import HandlerError, InferenceError, ModelLoadError, ModelNotReady, native_panic
-from handlers.guard import GuardedForward
 from handlers.ladder import Attempt, AttemptStatus, Calibration, LadderResult, run_ladder, summarize
-from handlers.modeling import load_pretrained, resolve_max_length
-from handlers.rungs import CompileRung, build_ladder
-from handlers.shapes import ShapePolicy, concat_rows, gather_rows, pad_batch, split_rows, take_rows
-from handlers.tasks import Task, check_task
+from handlers.ladder import decisions as memory
+from handlers.ladder.guard import GuardedForward
+from handlers.models.pretrained import load_pretrained, resolve_max_length
+from handlers.precision import choice
+from handlers.rungs import CompileRung, build_ladder, compile_cache
+from handlers.rungs.compile_cache import CacheDir
+from handlers.serving import length_groups
+from handlers.tasks import Task, calibration, check_task, open_inference
 from handlers.tasks.base import Emit, decode_body
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ class BatchStats:
     milliseconds: dict[str, float] = field(default_factory=dict)  # parse, preprocess, forward, postprocess
     real_tokens: int = 0  # tokens of the requests' texts, in the rows forward_batch ran
     run_tokens: int = 0  # rows x sequence as run, after padding to the batch and to a shape bucket
-    threads: int = 0  # the forward's intra-op threads (handlers.core_share)
+    threads: int = 0  # the forward's intra-op threads (handlers.cpu.core_share)
 
     @property
     def padding_ratio(self) -> float:
@@ -73,7 +75,8 @@ class Engine:
         self.load_waited_s: float = 0.0  # of load_seconds: waiting for other workers on these cores to load
         self.load_waited_for: tuple[str, ...] = ()  # the models those workers loaded
         self.attempts: list[Attempt] = []
-        self.module_guards: str | None = None  # whether compiles guard the model's attributes (handlers.module_guards)
+        # whether compiles guard the model's attributes (handlers.rungs.module_guards)
+        self.module_guards: str | None = None
         self.int8_calibration: str | None = None  # int8 was tried: what it was calibrated on and judged on
         self.int8_weights: str | None = None  # int8 was tried: the range its weights took on this CPU, and why
         self.cache_use: dict[str, dict[str, int]] | None = None  # what the compile caches served at load
@@ -82,20 +85,20 @@ class Engine:
         self.batches = 0
         self.max_batch_requests = 0
         self.last_batch = BatchStats()
-        self.precisions = hardware.resolve_precisions(config.settings.dtype, device)  # to try, fastest first
+        self.precisions = choice.resolve_precisions(config.settings.dtype, device)  # to try, fastest first
         float32_only = check_task(config.settings.task).facts().float32_only
         if float32_only and self.precisions.value != (DType.FLOAT32,):
-            self.precisions = hardware.Choice((DType.FLOAT32,), f"{config.settings.task} serves float32: "
+            self.precisions = Choice((DType.FLOAT32,), f"{config.settings.task} serves float32: "
                                                                 f"{float32_only}")
-        self.dtype = hardware.Choice(self.precisions.value[0], "not loaded yet")  # the precision served
-        self.threads = hardware.resolve_threads(config.settings.threads, config.workers, device)  # at load
+        self.dtype = Choice(self.precisions.value[0], "not loaded yet")  # the precision served
+        self.threads = cpu_threads.resolve_threads(config.settings.threads, config.workers, device)  # at load
         self.load_threads = self.threads.value  # fewer while other workers serve on shared cores
-        self.cores = hardware.core_share(config.settings.threads, device)  # None: every forward at self.threads
+        self.cores = cpu_threads.core_share(config.settings.threads, device)  # None: every forward at self.threads
         self._runs_at: tuple[int, ...] | None = None  # the thread counts the served forward was proven at; None: any
         # fewer threads for a small forward after idle virtual cores (only where cores are shared forward by forward)
-        self.idle_cores = idle_cores.for_cpu(hardware.linux_cpu_flags()) if self.cores is not None else None
+        self.idle_cores = idle_cores.for_cpu(features.linux_cpu_flags()) if self.cores is not None else None
         self._forward_ended: float | None = None  # time.monotonic() when this engine's last forward ended
-        # on shared cores, a forward that followed another worker's ends its OpenMP threads (handlers.openmp_pause)
+        # on shared cores, a forward that followed another worker's ends its OpenMP threads (handlers.cpu.openmp_pause)
         self.openmp_pause = openmp_pause.OpenMPPause() if self.cores is not None else None
         self.openmp_pauses = 0  # forwards after which it did
         self.shapes: ShapePolicy = config.settings.shapes
@@ -137,7 +140,7 @@ class Engine:
         with self.cores.loading(self.model_name, wait_s) as turn:
             self.load_waited_s, self.load_waited_for = turn.waited_s, turn.waited_for
             if turn.alone and self.threads.value != self.cores.cores:
-                self.threads = hardware.Choice(self.cores.cores, (
+                self.threads = Choice(self.cores.cores, (
                     f"auto: {self.cores.cores} usable cores (CPU affinity and limit); workers on them load in "
                     "turn, each on all of them, and share them forward by forward once READY (per_forward)"))
             models = ", ".join("this model" if name == self.model_name else name for name in turn.waited_for)
@@ -188,7 +191,7 @@ class Engine:
                    for batch in self._task.warmup_batches(self.shapes.warmup_shapes())]
         no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
         rungs = build_ladder(self.config, self.device, compile_unavailable=no_cache,
-                             inductor_unavailable=hardware.cpp_compiler_problem(self.device),
+                             inductor_unavailable=features.cpp_compiler_problem(self.device),
                              threads_follow=self.cores is not None)
         self.notes = [note for rung in rungs for note in rung.notes(self.device)]
         self.attention = fused_attention.use_in_compiled_graphs(
@@ -199,14 +202,14 @@ class Engine:
         logger.info("attention in compiled graphs: %s", self.attention.summary())
         cache_before = compile_cache.use_counters()
         precisions: tuple[DType, ...] = self.precisions.value
-        int8_weights = hardware.int8_weights()
+        int8_weights = choice.int8_weights()
         result = run_ladder(reference, precisions, rungs, batches,
                             lambda dtype: task_class.quality_gate(dtype, settings.quality_gate), run=self._task.prove,
                             calibration=self._int8_calibration(batches) if DType.INT8 in precisions else None,
                             half_must_pay=_picked_by_auto(precisions, settings.dtype),
                             memory=memory.Memory(Path(self.cache.path) / memory.DIRECTORY) if self.cache.path else None,
                             # races kept per machine and attention kernel: a changed kernel races again
-                            machine=repr((hardware.machine(self.device, self.threads.value), self.attention.identity)),
+                            machine=repr((features.machine(self.device, self.threads.value), self.attention.identity)),
                             thread_counts=self._thread_counts(), int8_weights=int8_weights,
                             module_guards_optional=settings.module_guards is ModuleGuards.AUTO)
         self.cache_use = compile_cache.use_since(cache_before)
@@ -217,7 +220,7 @@ class Engine:
         self.module_guards = result.module_guards
         self.int8_calibration = result.calibration
         self.int8_weights = int8_weights.describe() if DType.INT8 in precisions else None
-        self.dtype = hardware.Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
+        self.dtype = Choice(result.dtype, _why_served(result, precisions, self.precisions.reason))
         served = next(rung for rung in rungs if rung.name == result.active)  # eager is always among them
         self.shapes = self.shapes.for_served(kernels_per_shape=served.keeps_kernels_per_shape(result.dtype))
         self._guard = GuardedForward(result, reference, settings.max_runtime_failures, self.shapes.after_ready)
@@ -231,7 +234,7 @@ class Engine:
         key = None
         if kept is not None:
             served = (result.active, result.dtype.value, repr(self.config.served_compile), self.shapes.describe(),
-                      hardware.machine(self.device, self.threads.value))
+                      features.machine(self.device, self.threads.value))
             weights_key = result.weights_key or memory.fingerprint(tensors=reference.state_dict().items())
             key = length_groups.kept_key(batches, served, weights_key)
         measured = length_groups.measure(result.forward, batches, synchronize=self._synchronize, kept=kept, key=key)
@@ -388,8 +391,8 @@ class Engine:
     @contextmanager
     def _threads_for_forward(self, tokens: int | None = None) -> Iterator[int]:
         """The intra-op threads this batch's forward runs on, held until it ends: its share of the cores the
-        machine's workers share (``handlers.core_share``), fewer for a small batch after idle virtual cores
-        (``handlers.idle_cores``), else the count it loaded with."""
+        machine's workers share (``handlers.cpu.core_share``), fewer for a small batch after idle virtual cores
+        (``handlers.cpu.idle_cores``), else the count it loaded with."""
         if self.cores is None:
             yield self.threads.value
             return
@@ -420,7 +423,7 @@ class Engine:
         """Run the batch at the shape policy's shapes: chunks of at most the largest batch bucket, each padded
         up to its bucket, outputs sliced back to the real rows. Where the task answers one row per text, the rows
         run in groups of similar length, each trimmed to its longest, where the cost model says that is cheaper
-        (``handlers.length_groups``); the outputs come back in the batch's order."""
+        (``handlers.serving.length_groups``); the outputs come back in the batch's order."""
         assert self._guard is not None and self._task is not None
         outputs = []
         mask = inputs.get("attention_mask")

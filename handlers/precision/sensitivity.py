@@ -1,20 +1,21 @@
 """Which of the layers static int8 keeps in float by rule can be quantized too: measured before int8 is built.
 
-``handlers.quantize.stays_float`` keeps every layer that narrows (a transformer's FFN output) and every attention
-value projection in float: about 40 % of a BERT encoder's linear work. Which of them int8 spoils differs by model, and
-mostly by a few input channels whose values dwarf the rest (one scale per tensor spent on them rounds the others to a
-few steps). So each of those layers is *simulated* in int8, alone, the rest of the model in float: its input rounded
-per tensor to uint8 with the scale the quantizer's own histogram observer picks on the calibration batches, its
-weights per output channel to int8 (``torch.fake_quantize_*``, the quantizer's specs); once as it is, once with its
-``OUTLIER_CHANNELS`` largest input channels kept in float (``handlers.quantize.OutlierSplit``). The task's gate
-scores each form, and the layer keeps the cheaper. Then the cheapest layers are simulated together, with the layers int8
-quantizes anyway, as many as cost at most ``SHARE`` of the margin those leave above the gate's threshold (found by
-halving). Seconds for MiniLM, where building and judging a real int8 model takes tens. A layer measured alone changes
-nothing before it: where the model runs its layers as a list of blocks (a transformer's encoder layers), the blocks
-before the one holding it give back what they gave on the same batches with none of the candidates simulated (recorded
-once), so only the rest runs. The same answers to the bit, a third less time (MiniLM's int8 archive on CPU A: 29-32 ->
-21-24 s). The real int8 model is then judged by the gate as always; if it fails, the ladder builds int8 again with the
-rule's float layers (``handlers.ladder``).
+``handlers.precision.quantize.stays_float`` keeps every layer that narrows (a transformer's FFN output) and every
+attention value projection in float: about 40 % of a BERT encoder's linear work. Which of them int8 spoils differs by
+model, and mostly by a few input channels whose values dwarf the rest (one scale per tensor spent on them rounds the
+others to a few steps). So each of those layers is *simulated* in int8, alone, the rest of the model in float: its
+input rounded per tensor to uint8 with the scale the quantizer's own histogram observer picks on the calibration
+batches, its weights per output channel to int8 (``torch.fake_quantize_*``, the quantizer's specs); once as it is, once
+with its
+``OUTLIER_CHANNELS`` largest input channels kept in float (``handlers.precision.quantize.OutlierSplit``). The task's
+gate scores each form, and the layer keeps the cheaper. Then the cheapest layers are simulated together, with the
+layers int8 quantizes anyway, as many as cost at most ``SHARE`` of the margin those leave above the gate's threshold
+(found by halving). Seconds for MiniLM, where building and judging a real int8 model takes tens. A layer measured alone
+changes nothing before it: where the model runs its layers as a list of blocks (a transformer's encoder layers), the
+blocks before the one holding it give back what they gave on the same batches with none of the candidates simulated
+(recorded once), so only the rest runs. The same answers to the bit, a third less time (MiniLM's int8 archive on CPU A:
+29-32 -> 21-24 s). The real int8 model is then judged by the gate as always; if it fails, the ladder builds int8 again
+with the rule's float layers (``handlers.ladder``).
 
 Pure torch + torchao (imported only when int8 is built).
 """
@@ -26,13 +27,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
-from handlers.quantize import Int8Weights, x86_config
+from handlers.precision.quantize import Int8Weights, x86_config
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ Score = Callable[[torch.nn.Module], float]  # the gate's worst value over the ju
 @dataclass(frozen=True)
 class Choice:
     """The layers to quantize beyond the rule: ``taken`` as they are, ``split`` (name -> input channels) with those
-    few channels kept in float (``handlers.quantize.OutlierSplit``); what each candidate cost alone in its cheaper form
-    (``costs``: the gate's best value minus its value with that layer in int8), the budget the chosen ones cost
+    few channels kept in float (``handlers.precision.quantize.OutlierSplit``); what each candidate cost alone in its
+    cheaper form (``costs``: the gate's best value minus its value with that layer in int8), the budget the chosen ones
+    cost
     ``together`` within, and the time it took."""
 
     taken: tuple[str, ...]
@@ -62,7 +64,7 @@ class Choice:
     seconds: float
     split: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     together: float = 0.0  # what the chosen layers cost the gate together, simulated
-    remembered: bool = False  # read back from an earlier load's measurement (``handlers.memory``)
+    remembered: bool = False  # read back from an earlier load's measurement (``handlers.ladder.decisions``)
 
     def describe(self) -> str:
         if not self.costs:
@@ -75,7 +77,7 @@ class Choice:
                 f"alone, then together: cost {self.together:.6f} within {self.budget:.6f}, {when}")
 
     def record(self) -> dict[str, Any]:
-        """What ``handlers.memory`` keeps of this choice for the next load."""
+        """What ``handlers.ladder.decisions`` keeps of this choice for the next load."""
         return {**dataclasses.asdict(self), "remembered": False}
 
     @classmethod
@@ -267,7 +269,7 @@ def _most_within(budget: float, most: int, together: Callable[[int], float]) -> 
 
 
 def _specs(weights: Int8Weights = Int8Weights.FULL) -> tuple[Any, Any]:
-    """The activation and weight specs of the quantizer ``handlers.quantize.static_int8`` uses."""
+    """The activation and weight specs of the quantizer ``handlers.precision.quantize.static_int8`` uses."""
     config = x86_config(weights)
     return config.input_activation, config.weight
 
@@ -329,7 +331,7 @@ def _swap(module: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
 
 class _Int8Simulated(torch.nn.Module):
     """Stands in for a linear layer: its output with the input and weights rounded as static int8 rounds them (fake
-    quantization, in float); the input channels ``kept`` stay float (``handlers.quantize.OutlierSplit``)."""
+    quantization, in float); the input channels ``kept`` stay float (``handlers.precision.quantize.OutlierSplit``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: float, zero_point: int,
                  kept: Sequence[int], exact: torch.Tensor, quant_range: tuple[int, int]):
@@ -350,7 +352,7 @@ class _Int8Simulated(torch.nn.Module):
 def _int8_output(layer: torch.nn.Module, scale: float, zero_point: int, kept: Sequence[int] = (),
                  weights: Int8Weights = Int8Weights.FULL) -> _Int8Simulated:
     """A stand-in for ``layer``: its output with its input and weights (in ``weights``' range) rounded as static
-    int8 rounds them; the input channels ``kept`` stay float (``handlers.quantize.OutlierSplit``)."""
+    int8 rounds them; the input channels ``kept`` stay float (``handlers.precision.quantize.OutlierSplit``)."""
     activation, weight_spec = _specs(weights)
     observer = weight_spec.observer_or_fake_quant_ctr(dtype=weight_spec.dtype, quant_min=weight_spec.quant_min,
                                                       quant_max=weight_spec.quant_max, qscheme=weight_spec.qscheme,

@@ -2,12 +2,12 @@
 
 The ladder's int8 is **static** (``static_int8``): PT2E quantization with torchao's x86 inductor quantizer. The
 model is exported with every axis the model lets vary dynamic; weights are quantized per output channel, and
-each activation once per tensor with a scale calibrated on the warmup batches (``handlers.calibration``). Linear
+each activation once per tensor with a scale calibrated on the warmup batches (``handlers.tasks.calibration``). Linear
 layers that narrow (more inputs than outputs: a transformer's FFN output, whose input is GELU's long tail, and
 the task heads) stay in float, and so do attention value projections (``stays_float``): MiniLM embeddings keep
 cosine 0.994-0.997 vs fp32 on held-out texts, where quantizing every linear loses the gate (0.970). That rule is
 the safe start: the ladder quantizes those of its float layers that a measurement finds cheap
-(``handlers.sensitivity``), some as an ``OutlierSplit``, their few largest input channels kept in float.
+(``handlers.precision.sensitivity``), some as an ``OutlierSplit``, their few largest input channels kept in float.
 Compiled with freezing, each quantize step folds into the layer before it and the int8 linears become oneDNN's
 fused ``qlinear``: twice as fast as the dynamic scheme at 8x128 tokens (docs/performance.md: PT2E static int8).
 What is not quantized runs in ``rest``: bf16 under autocast where the ladder also tries bf16, else float32.
@@ -34,16 +34,14 @@ from typing import Any
 
 import torch
 
-from handlers import merged_linears, outlier_producers
 from handlers.config import DType
+from handlers.cpu.features import INT8_CPU_FEATURES
+from handlers.precision import merged_linears, outlier_producers
 
 logger = logging.getLogger(__name__)
 
 TORCHAO = "torchao"
 # CPU features with int8 dot products (u8 x s8 -> s32 in one instruction).
-INT8_CPU_FEATURES = ("amx_int8", "avx512_vnni", "avx_vnni")
-
-
 class Int8Weights(enum.Enum):
     """The values the int8 rung's weights take (per output channel, symmetric), by whether the CPU has int8 dot
     products. Without them oneDNN multiplies u8 activations by s8 weights with vpmaddubsw, which sums each pair of
@@ -188,8 +186,9 @@ def static_int8(module: torch.nn.Module, examples: Sequence[Mapping[str, torch.T
     (the warmup batches), exported from the largest of them with every axis the model lets vary dynamic, its weights
     in ``weights``' range (``Int8Weights.for_cpu``). Called with the same keywords as ``module``; what is not
     quantized runs in ``rest``. An ``OutlierSplit`` reading an activation of another linear layer is rewritten so
-    that layer fuses (``handlers.outlier_producers``), and quantized linear layers reading one tensor become one
-    (``handlers.merged_linears``), unless ``fuse_split_producers`` / ``merge_shared_inputs`` say not (benchmarks)."""
+    that layer fuses (``handlers.precision.outlier_producers``), and quantized linear layers reading one tensor become
+    one (``handlers.precision.merged_linears``), unless ``fuse_split_producers`` / ``merge_shared_inputs`` say not
+    (benchmarks)."""
     if not examples or not all(isinstance(example, Mapping) for example in examples):
         raise TypeError("static int8 needs warmup batches of named tensors to export and calibrate on")
     quantization, reason = probe_torchao()

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-
 ONEDNN_SEQ_MULTIPLE = 16  # measured: fewer primitives than 8 would leave, and AMX tiles like 16 rows
 
 
@@ -53,9 +52,9 @@ class ShapePolicy:
     # chosen at load from what serves (``for_served``): ONEDNN_SEQ_MULTIPLE where oneDNN runs the matmuls, else 1.
     seq_multiple: int | None = None
     max_length: int | None = None  # the model's (``fitted``): rounding never pads past it
-    length_groups: bool = True  # rows of mixed lengths may run in groups (handlers.length_groups)
+    length_groups: bool = True  # rows of mixed lengths may run in groups (handlers.serving.length_groups)
     # dynamic only: batches of at most this many tokens run a second graph, tuned at that size
-    # (handlers.small_batches); 0: one graph for every batch
+    # (handlers.rungs.small_batch_graph); 0: one graph for every batch
     small_batch_tokens: int = 0
 
     @property

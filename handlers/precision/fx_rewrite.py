@@ -1,5 +1,6 @@
-"""What the int8 rung's graph rewrites share (``handlers.outlier_producers``, ``handlers.merged_linears``): reading a
-tensor the exported graph holds, and adding a node with the meta value the quantizer reads. Pure torch.fx."""
+"""What the int8 rung's graph rewrites share (``handlers.precision.outlier_producers``,
+``handlers.precision.merged_linears``): reading a tensor the exported graph holds, and adding a node with the meta
+value the quantizer reads. Pure torch.fx."""
 
 from __future__ import annotations
 

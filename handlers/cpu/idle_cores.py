@@ -11,7 +11,7 @@ What counts: the worker's own idleness (no forward of its own for ``idle_s``) an
 as it arrives, at most ``small_tokens``: a few short texts, where one thread costs little even with every core
 awake). Where the CPU does not say it runs under a hypervisor the rule is off: waking a thread on bare metal costs
 microseconds. The forward runs at the fewest threads the served forward was proven at (a compiled rung is proven at
-one thread too: ``handlers.core_share``), so no new graph is ever traced for it.
+one thread too: ``handlers.cpu.core_share``), so no new graph is ever traced for it.
 """
 
 from __future__ import annotations
@@ -52,5 +52,5 @@ class IdleCores:
 
 
 def for_cpu(flags: Collection[str]) -> IdleCores | None:
-    """The rule where the CPU's ``flags`` (``hardware.linux_cpu_flags``) say it is virtual, else None."""
+    """The rule where the CPU's ``flags`` (``features.linux_cpu_flags``) say it is virtual, else None."""
     return IdleCores() if HYPERVISOR_FLAG in flags else None

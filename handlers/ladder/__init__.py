@@ -1,11 +1,11 @@
 """The optimization ladder: try rungs at precisions at load time, keep the first attempt that proves itself.
 
-The order of attempts is ``handlers.plan`` (rungs x precisions); this module runs them. An attempt is accepted
+The order of attempts is ``handlers.ladder.plan`` (rungs x precisions); this module runs them. An attempt is accepted
 only after the warmup batches ran through it *inside* the guard (``torch.compile`` is lazy: graph and codegen
 failures surface on the first forward) and its outputs passed the task's quality gate against **fp32 eager**.
 int8, calibrated on data (``Calibration``), is also judged on held-out batches that calibration never saw.
 A compile rung must also be compiled for real: a second warmup pass compiles nothing new, and dynamo gave up on
-no frame (``handlers.dynamo_watch``). Anything else records a reason and moves on. fp32 eager is the reference
+no frame (``handlers.rungs.dynamo_counts``). Anything else records a reason and moves on. fp32 eager is the reference
 and the last resort.
 
 Pure torch; no TorchServe import.
@@ -24,24 +24,25 @@ from typing import Any, TypeVar
 
 import torch
 
-from handlers import module_guards, plan, race, sensitivity
 from handlers.config import DType
-from handlers.memory import Memory, batch_tensors, fingerprint
-from handlers.quantize import Int8Weights, in_precision, split_outliers, static_int8, stays_float
-from handlers.dynamo_watch import DynamoCounts, dynamo_counts, steady_state_problem
-from handlers.rungs import CompileRung, EagerRung, Forward, Rung
+from handlers.ladder import plan, race
+from handlers.ladder.decisions import Memory, batch_tensors, fingerprint
+from handlers.precision import sensitivity
+from handlers.precision.quantize import Int8Weights, in_precision, split_outliers, static_int8, stays_float
+from handlers.rungs import CompileRung, EagerRung, Forward, Rung, module_guards
+from handlers.rungs.dynamo_counts import DynamoCounts, dynamo_counts, steady_state_problem
 
 logger = logging.getLogger(__name__)
 
 Batch = Mapping[str, torch.Tensor]
 Run = Callable[[Forward, Any], Any]  # runs one warmup batch through a forward
 # Precisions that trade answers for speed: each serves only where it is faster than the next precision that
-# keeps the answers, on the same rung (handlers.race).
+# keeps the answers, on the same rung (handlers.ladder.race).
 MUST_PAY = (DType.INT8,)
 # Timed calls per forward when a half precision's screen races fp32 eager: eager calls, no compile, so 3 suffice
 # to find each one's fastest; the load pays ~3 eager passes of the warmup in each precision.
 SCREEN_ROUNDS = 3
-Kept = TypeVar("Kept")  # a decision an earlier load kept (handlers.memory)
+Kept = TypeVar("Kept")  # a decision an earlier load kept (handlers.ladder.decisions)
 
 
 def call(forward: Forward, batch: Batch) -> Any:
@@ -138,7 +139,8 @@ class LadderResult:
     calibration: str | None = None  # int8 was tried: what it was calibrated on, what it was judged on
     weights_key: str | None = None  # the reference's weights hashed for the memory's keys, where the walk did
     threads: tuple[int, ...] | None = None  # the thread counts ``forward`` was proven at; None: it runs at any
-    module_guards: str = ""  # whether compile rungs guard the model's attributes, and why (handlers.module_guards)
+    # whether compile rungs guard the model's attributes, and why (handlers.rungs.module_guards)
+    module_guards: str = ""
 
 
 def run_ladder(
@@ -156,7 +158,7 @@ def run_ladder(
     int8_weights: Int8Weights = Int8Weights.FULL,
     module_guards_optional: bool = True,
 ) -> LadderResult:
-    """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.plan``'s order; return the first attempt
+    """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.ladder.plan``'s order; return the first attempt
     that runs and whose answers pass ``gate(precision)`` against ``reference`` (the fp32 model run eagerly).
     If none does, serve the reference. An accepted int8 attempt serves only if it is faster on the warmup batches
     than the same rung at the next precision that passes (``MUST_PAY``). int8 is calibrated on ``calibration``
@@ -168,11 +170,11 @@ def run_ladder(
     instructions that run slower than their fp32 ones. int8's float layers run in bf16 only where bf16's screen
     passed. Which of them int8 takes too is measured. What a load measures (int8's layers, the races) is kept in
     ``memory`` and read back by the next load of the same model on the same batches, races on the same ``machine``
-    (``handlers.hardware.machine``): workers of one model serve one precision, whatever load each started under.
+    (``handlers.cpu.features.machine``): workers of one model serve one precision, whatever load each started under.
     An accepted compiled forward is proven again at each of ``thread_counts`` it may be given later
-    (``handlers.core_share``): dynamo compiles per intra-op thread count. Unless ``module_guards_optional`` is False,
-    compile rungs leave out the guards on the model's attributes where the reference forwards left them as they
-    were (``handlers.module_guards``)."""
+    (``handlers.cpu.core_share``): dynamo compiles per intra-op thread count. Unless ``module_guards_optional`` is
+    False, compile rungs leave out the guards on the model's attributes where the reference forwards left them as they
+    were (``handlers.rungs.module_guards``)."""
     if not warmup_batches:
         raise ValueError("the ladder needs at least one warmup batch to prove a rung")
     with torch.inference_mode():
@@ -245,7 +247,7 @@ def _at_thread_counts(rung: CompileRung, forward: Forward, dtype: DType, counts:
     count in ``counts`` where the warmup, the gate and the steady state pass there too. Dynamo guards the intra-op
     thread count with the rest of torch's global state, so a compiled forward called at another count compiles again;
     after READY the shape policy's stance would serve that call eagerly instead; an inductor compile on shared cores
-    leaves that guard out (``handlers.global_state``), and serves every count with the same graphs."""
+    leaves that guard out (``handlers.rungs.thread_guard``), and serves every count with the same graphs."""
     now = torch.get_num_threads()
     proven = [now]
     others = sorted(set(counts) - {now}, reverse=True)

@@ -6,9 +6,9 @@ lone short text pays that once per projection. ``merge`` rewrites the exported f
 linear layers reading the same tensor, each of them to be quantized and each read only to be reshaped, become one
 whose weight and bias are theirs stacked, and each reader takes its slice of the output. Weights are quantized per
 output channel and the input once, so the answers are the same to the bit. A layer whose output goes on to an
-activation or a sum stays on its own: oneDNN fuses those into a layer alone (``handlers.outlier_producers``' FFN input
-and its kept rows read one tensor, and would lose their fused GELU). Pure torch.fx; a graph without such layers is
-left as it is.
+activation or a sum stays on its own: oneDNN fuses those into a layer alone (``handlers.precision.outlier_producers``'
+FFN input and its kept rows read one tensor, and would lose their fused GELU). Pure torch.fx; a graph without such
+layers is left as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from handlers.fx_rewrite import add_node, hold, held_tensor
+from handlers.precision.fx_rewrite import add_node, held_tensor, hold
 
 aten = torch.ops.aten
 # What a projection's reader may do to its output for the projection to join others: change its shape, nothing else.

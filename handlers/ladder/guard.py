@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from handlers.config import RungName
-from handlers.dynamo_watch import DynamoCounts, activity, dynamo_counts
+from handlers.config.shapes import AfterReady
 from handlers.errors import InferenceError
 from handlers.ladder import LadderResult, shape_of, summarize
 from handlers.rungs import Forward
-from handlers.shapes import AfterReady
+from handlers.rungs.dynamo_counts import DynamoCounts, activity, dynamo_counts
 
 logger = logging.getLogger(__name__)
 

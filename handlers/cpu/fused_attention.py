@@ -116,10 +116,10 @@ def _why_not_traced(build_dir: Path | None, backends: Collection[str]) -> str | 
 def unavailable_here() -> str | None:
     """The CPU and torch's kernel level: the kernel is AVX-512 code, and a torch held below it (ATEN_CPU_CAPABILITY,
     as the AVX2-held test stage does) stands for a CPU without it."""
-    from handlers import hardware
+    from handlers.cpu import features
 
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability.upper() in hardware.ATEN_VECTOR_ISAS_BELOW_AVX512:
+    if capability.upper() in features.ATEN_VECTOR_ISAS_BELOW_AVX512:
         return f"torch dispatches at {capability} here, the kernel needs AVX-512: SDPA"
     if problem := machine_cannot_build():
         return f"{problem}: SDPA"
@@ -129,12 +129,12 @@ def unavailable_here() -> str | None:
 def machine_cannot_build() -> str | None:
     """Why this machine cannot build and run the kernel whatever torch dispatches at: AVX-512 code, built with its C++
     compiler. None where it can."""
-    from handlers import hardware
+    from handlers.cpu import features
 
-    missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in hardware.linux_cpu_flags()]
+    missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in features.linux_cpu_flags()]
     if missing:
         return f"the CPU lacks {'/'.join(missing)}"
-    return hardware.cpp_compiler_problem(torch.device("cpu"))
+    return features.cpp_compiler_problem(torch.device("cpu"))
 
 
 def load(build_dir: Path) -> str | None:
@@ -170,7 +170,7 @@ def build(build_dir: Path) -> Path:
     from torch._inductor import cpp_builder
     from torch.utils import cpp_extension
 
-    from handlers import hardware
+    from handlers.cpu import features
 
     compiler = cpp_builder.get_cpp_compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -178,7 +178,7 @@ def build(build_dir: Path) -> Path:
     flags = [*FLAGS, abi, *(f"-I{path}" for path in cpp_extension.include_paths()),
              *(f"-L{path}" for path in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
     identity = repr((SOURCE.read_bytes(), version, torch.__version__, sys.version_info[:2], flags,
-                     sorted(hardware.linux_cpu_flags()), hardware.linux_cpu_model()))
+                     sorted(features.linux_cpu_flags()), features.linux_cpu_model()))
     target = build_dir / f"fused_attention-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.so"
     if target.is_file():
         return target

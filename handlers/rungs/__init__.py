@@ -17,9 +17,12 @@ from typing import Any
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from handlers.config import CompileSpec, DType, HandlerConfig, RungName
-from handlers import global_state, module_guards, prepacked_cache, small_batches, unbacked_rows
-from handlers.ipex import IPEX_BACKEND, probe_ipex
+from handlers.config import IPEX_BACKEND, CompileSpec, DType, HandlerConfig, RungName
+from handlers.rungs import module_guards, prepacked_cache
+from handlers.rungs import small_batch_graph as small_batches
+from handlers.rungs import thread_guard as global_state
+from handlers.rungs import unbacked_batch as unbacked_rows
+from handlers.rungs.ipex import probe_ipex
 
 Forward = Callable[..., Any]
 
@@ -44,13 +47,13 @@ class Rung(ABC):
         """``module`` (already in ``dtype``) run this way."""
 
     def follows_threads(self) -> bool:
-        """Whether what ``apply`` builds runs at any intra-op thread count as it was proven (handlers.core_share);
+        """Whether what ``apply`` builds runs at any intra-op thread count as it was proven (handlers.cpu.core_share);
         else at the count it was built at, unless the ladder proves it at others too."""
         return False
 
     def keeps_kernels_per_shape(self, dtype: DType) -> bool:
         """Whether what ``apply`` builds in ``dtype`` runs its matmuls through oneDNN, which keeps a primitive per
-        input shape (handlers.shapes: the lengths it sees are then rounded). Half precisions and int8 do; float32
+        input shape (handlers.config.shapes: the lengths it sees are then rounded). Half precisions and int8 do; float32
         goes through MKL, which keeps nothing per shape."""
         return dtype is not DType.FLOAT32
 
@@ -73,7 +76,8 @@ class CompileRung(Rung):
         self._guard_filters: dict[DType, module_guards.GuardFilter] = {}
 
     def without_module_guards(self) -> CompileRung:
-        """This rung, its compiles leaving out dynamo's guards on the model's attributes (handlers.module_guards)."""
+        """This rung, its compiles leaving out dynamo's guards on the model's attributes
+        (handlers.rungs.module_guards)."""
         return CompileRung(self.name, self.spec, self._skip_reason, keep_module_guards=False)
 
     def module_guard_filter(self, dtype: DType) -> module_guards.GuardFilter | None:
@@ -103,7 +107,8 @@ class CompileRung(Rung):
         return forward
 
     def _compiled(self, module: torch.nn.Module, kwargs: dict[str, Any], dtype: DType) -> Forward:
-        # Shared cores: kernels that follow the thread count, and one graph for every count (handlers.global_state).
+        # Shared cores: kernels that follow the thread count, and one graph for every count
+        # (handlers.rungs.thread_guard).
         one_graph = (self.spec.threads_follow and self.spec.backend == "inductor"
                      and global_state.guard_can_be_left_out())
         filters = [global_state.without_global_state_guard] if one_graph else []
@@ -265,7 +270,7 @@ def build_ladder(config: HandlerConfig, device: torch.device,
     """The rungs named in ``pt2_handlers.ladder``, in order; eager is always last. ``compile_unavailable``
     skips the compile rungs with that reason (e.g. no writable compile cache); ``inductor_unavailable`` skips
     those that compile with inductor (e.g. no C++ compiler for a CPU worker). ``threads_follow``: the compiled
-    kernels take the thread count each call runs at (the worker shares its cores: handlers.core_share)."""
+    kernels take the thread count each call runs at (the worker shares its cores: handlers.cpu.core_share)."""
     requested = replace(config.served_compile, threads_follow=threads_follow)
     rungs: list[Rung] = []
 

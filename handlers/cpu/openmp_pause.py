@@ -7,7 +7,7 @@ hands lone requests to a model's workers in turn), and the spinning thread takes
 int8 workers, lone short requests; docs/performance.md: OpenMP's pause): the worker's forward ran 2.65 ms over the
 model alone, against 1.06 ms with one worker; ending the threads after each forward took 1.5 ms off the client's p50
 and 8.7 ms off its p99. So the engine pauses after a forward that followed another worker's on the same cores
-(``handlers.core_share`` tells it), whichever way the workers came: a YAML's ``minWorkers``, the management API's
+(``handlers.cpu.core_share`` tells it), whichever way the workers came: a YAML's ``minWorkers``, the management API's
 scale-up, another model's workers.
 
 Where starting the threads again costs more than their spin, the pause does not pay. On CPU E (a Zen 5 EPYC under

@@ -1,9 +1,10 @@
 """An ``OutlierSplit`` behind an activation of another linear layer, rewritten so that layer's int8 form fuses.
 
-A transformer's FFN output reads ``gelu(FFN input)``. Split (``handlers.quantize.OutlierSplit``), it reads that
-activation twice: its float channels picked out, and the rest masked to zero before the quantize step. An activation
-with two readers cannot fuse into the FFN input's int8 linear with the quantize step after it, so that linear writes
-floats and inductor runs the activation and the quantize step as one more pass over the FFN's widest tensor.
+A transformer's FFN output reads ``gelu(FFN input)``. Split (``handlers.precision.quantize.OutlierSplit``), it reads
+that activation twice: its float channels picked out, and the rest masked to zero before the quantize step. An
+activation with two readers cannot fuse into the FFN input's int8 linear with the quantize step after it, so that
+linear writes floats and inductor runs the activation and the quantize step as one more pass over the FFN's widest
+tensor.
 
 ``from_producers`` rewrites the exported float graph before it is quantized. The producing linear's rows for the
 kept channels are zeroed, so the activation there is the activation of 0, never read by the quantize step's scale
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from handlers.fx_rewrite import add_node, hold, held_tensor
+from handlers.precision.fx_rewrite import add_node, held_tensor, hold
 
 aten = torch.ops.aten
 # Elementwise activations a transformer's FFN applies between its two linear layers.

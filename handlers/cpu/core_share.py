@@ -15,10 +15,10 @@ asks here how many threads it may run:
   no other batch: under steady load a sibling is often between two batches, and a forward that then took every core
   made the sibling's next forward wait for it (measured on CPU D, two int8 workers at 16 clients: 156 req/s
   forward by forward, 170 with one thread each). Requests one at a time never overlap, so they still get every core
-  (but a small one after idleness on a virtual CPU: ``handlers.idle_cores``).
+  (but a small one after idleness on a virtual CPU: ``handlers.cpu.idle_cores``).
 
 Each forward also learns whether the one before it on these cores was another worker's: workers that take requests
-in turn end their OpenMP threads after a forward (``handlers.openmp_pause``), a worker alone keeps them spinning.
+in turn end their OpenMP threads after a forward (``handlers.cpu.openmp_pause``), a worker alone keeps them spinning.
 
 Workers on these cores also take turns loading, whatever model they load (``loading``): started together (a
 model's ``minWorkers: 2``, or several models at server start), each measured its rungs, races and costs while the

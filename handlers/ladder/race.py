@@ -44,7 +44,7 @@ class Race:
     # cores it may run on that other processes used; None where the kernel does not say.
     wait_share: float | None = None
     other_share: float | None = None
-    remembered: bool = False  # an earlier load's race, read back (``handlers.memory``)
+    remembered: bool = False  # an earlier load's race, read back (``handlers.ladder.decisions``)
 
     @property
     def disturbed(self) -> bool:
@@ -61,7 +61,7 @@ class Race:
         return said
 
     def record(self) -> dict[str, Any]:
-        """What ``handlers.memory`` keeps of this race for the next load."""
+        """What ``handlers.ladder.decisions`` keeps of this race for the next load."""
         return {"ms": self.ms, "tries": self.tries, "wait_share": self.wait_share, "other_share": self.other_share}
 
     @classmethod

@@ -17,7 +17,6 @@ from types import ModuleType
 
 IPEX_MODULE = "intel_extension_for_pytorch"
 IPEX_DISTRIBUTION = "intel-extension-for-pytorch"
-IPEX_BACKEND = "ipex"  # the torch.compile backend IPEX registers when imported
 
 
 @functools.cache

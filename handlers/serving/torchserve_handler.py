@@ -1,6 +1,6 @@
 """TorchServe adapter: the only module that imports ``ts``.
 
-Package it as the archive's handler file (``--handler handlers/torchserve_handler.py``) with the
+Package it as the archive's handler file (``--handler handlers/serving/torchserve_handler.py``) with the
 ``handlers`` package beside it; TorchServe then finds ``Pt2Handler``, the one class defined here.
 Everything below is translation: TorchServe context -> Engine, Engine answers/errors -> responses.
 """
@@ -24,11 +24,12 @@ from ts.metrics.dimension import Dimension
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.utils.util import PredictionException
 
-from handlers import compile_cache, server_timing
-from handlers.batch_gauges import GaugeWindow
 from handlers.config import load_config
-from handlers.engine import Engine
 from handlers.errors import ConfigError, HandlerError, InvalidInput, PathNotFound
+from handlers.rungs import compile_cache
+from handlers.serving import server_timing
+from handlers.serving.batch_gauges import GaugeWindow
+from handlers.serving.engine import Engine
 
 logger = logging.getLogger(__name__)
 

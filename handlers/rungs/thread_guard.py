@@ -1,4 +1,4 @@
-"""One compiled graph for every thread count the core share gives a forward (``handlers.core_share``).
+"""One compiled graph for every thread count the core share gives a forward (``handlers.cpu.core_share``).
 
 Dynamo guards torch's global state as one guard: grad mode, autocast, deterministic algorithms, the default dtype,
 and the intra-op thread count. So a compiled forward called at another thread count compiled again: a second set of

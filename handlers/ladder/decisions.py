@@ -1,9 +1,9 @@
 """What one load measured, kept for the next: small JSON records beside the compile cache.
 
 A worker's load measures things that take seconds and may come out differently under load: which layers int8 can
-take (``handlers.sensitivity``) and which precision is faster here (``handlers.race``). Workers of one model that
-decide differently serve different precisions, and an added worker that picks the precision no one compiled misses
-the compile cache. So a decision is kept under a ``fingerprint`` of everything it depends on, and a restarted or
+take (``handlers.precision.sensitivity``) and which precision is faster here (``handlers.ladder.race``). Workers of one
+model that decide differently serve different precisions, and an added worker that picks the precision no one compiled
+misses the compile cache. So a decision is kept under a ``fingerprint`` of everything it depends on, and a restarted or
 added worker reads it instead of measuring again. A record read here is a proposal, never a verdict on answers:
 the gate still judges every model built from it. Reading or writing never fails a load.
 

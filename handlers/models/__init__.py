@@ -1,0 +1,1 @@
+"""Loading the model an archive carries."""

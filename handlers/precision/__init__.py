@@ -1,0 +1,1 @@
+"""The model in a precision: float casts, and int8 built, measured and rewritten for the ladder."""
