@@ -1,6 +1,6 @@
 """Plain eager TorchServe handler for all-MiniLM-L6-v2 embeddings: a comparison baseline, not product code.
 
-Why it exists: scripts/bench_e2e.py measures pt2-handlers against what a TorchServe user writes without it,
+Why it exists: benchmarks/e2e.py measures pt2-handlers against what a TorchServe user writes without it,
 modelled on TorchServe's Hugging Face example (examples/Huggingface_Transformers): AutoModel + AutoTokenizer
 from the archive, fp32 eager, every batch padded to a fixed max_length. No compile, no ladder, no parity
 checks, no input validation beyond what is needed to answer.

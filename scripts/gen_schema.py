@@ -43,8 +43,8 @@ def render_reference(schema: dict[str, Any]) -> str:
         "",
         root["description"],
         "",
-        "The worker, `python -m handlers check` and `scripts/package.py` check the two sections below with the same "
-        "schema and report every problem at once, each with its key, the value, what is allowed and the nearest "
+        "The worker, `python -m handlers check` and `python -m handlers package` check the two sections below with the "
+        "same schema and report every problem at once, each with its key, the value, what is allowed and the nearest "
         "valid name. A key left empty (`key:`) means its default. The JSON Schema is shipped as "
         "`schema/model-config.schema.json`; to have an editor check a model YAML as you type (the YAML language "
         "server, e.g. VS Code's YAML extension), start the file with:",

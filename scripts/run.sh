@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-.venv/bin/python scripts/package.py
+.venv/bin/python -m handlers package
 bash scripts/stop.sh >/dev/null 2>&1 || true
 bash scripts/start.sh
 exec .venv/bin/python scripts/sample_request.py

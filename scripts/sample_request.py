@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Send one embeddings request to the running server and show the answer and the active rung."""
+"""Send one embeddings request to the running server and show the answer and the active rung.
+
+  .venv/bin/python scripts/sample_request.py [--model minilm] [--text TEXT]     # against scripts/start.sh's server
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from tsctl import DEFAULT_CONFIG, DEFAULT_RUN_DIR, server_for
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's handlers package (not installed)
+
+from handlers.serving.server import DEFAULT_CONFIG, DEFAULT_RUN_DIR, server_for  # noqa: E402
 
 
 def main() -> None:

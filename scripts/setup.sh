@@ -7,7 +7,7 @@
 #                                           transformers 5.23 (IPEX 2.8 does not import with 5.24)
 #   bash scripts/setup.sh --profile infinity
 #                                           the Infinity embedding server (infinity-emb 0.0.78, torch 2.13.0 CPU,
-#                                           transformers 4.57): a peer scripts/bench_e2e.py --peers measures, never
+#                                           transformers 4.57): a peer benchmarks/e2e.py --peers measures, never
 #                                           built by CI or scripts/test.sh; prints the venv's directory (only that on stdout)
 #   bash scripts/setup.sh --ipex-wheel      print a directory holding the unpacked IPEX wheel of the ipex pins (no
 #                                           install), for the test that puts it beside torch 2.13 (a version mismatch)
@@ -153,7 +153,7 @@ case "$PROFILE" in
     report "$VENV"
     ;;
   infinity)
-    # Everything but the venv's path goes to stderr: scripts/bench_e2e.py reads the path from stdout.
+    # Everything but the venv's path goes to stderr: benchmarks/peers.py reads the path from stdout.
     {
       torch_pin=$(grep -i '^torch==' "$INFINITY_PINS")
       key=$( (python3 -c 'import sys; print(sys.version.split()[0])'; cat "$INFINITY_PINS"; echo "$INFINITY_REQ") \
@@ -163,7 +163,7 @@ case "$PROFILE" in
         echo "[setup] reusing $VENV (same Python and $INFINITY_PINS)"
       else
         echo "[setup] creating $VENV: $torch_pin first, then $INFINITY_REQ pinned by $INFINITY_PINS"
-        # What scripts/peers.py and the two engines import: a venv where one of them fails is never reused.
+        # What benchmarks/peers.py and the two engines import: a venv where one of them fails is never reused.
         build_shared_venv "$VENV" "$INFINITY_PINS" "import infinity_emb, sentence_transformers, onnxruntime
 from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTOptimizer
 from optimum.exporters.onnx import main_export" "$torch_pin" "$INFINITY_REQ"

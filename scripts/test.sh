@@ -55,7 +55,7 @@ stage() {  # profile venv inductor-cache [pytest args]
 # TorchServe worker's load is mostly dynamo's tracing and inductor's lowering, on one thread, and the ipex venv is
 # download and unpacking. At nice 10 it takes mostly the cores stage 1 leaves idle: at 19 the default stage ran about
 # as fast as alone but the ipex stage ended last, alone on the machine; at 0 the default stage ran about 20 % slower
-# (docs/performance.md: stops 57 and 58). Each stage has its own temp dir (pytest's, TorchServe's, the core share's
+# (docs/performance.md). Each stage has its own temp dir (pytest's, TorchServe's, the core share's
 # lock files), its own inductor cache and its own ports (tests/conftest.py: port_shift), so neither sees the other's
 # workers.
 ipex_log=.cache/test-ipex.log

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,8 +45,8 @@ def declared_profile() -> str | None:
 
 
 def port_shift(shift: int) -> int:
-    """The port shift (``tsctl.shifted_config``) of a test server: ``shift`` in the default profile, 500 more in
-    the ipex profile, whose stage scripts/test.sh runs beside the default one."""
+    """The port shift (``handlers.serving.server.shifted_config``) of a test server: ``shift`` in the default
+    profile, 500 more in the ipex profile, whose stage scripts/test.sh runs beside the default one."""
     return shift + (500 if declared_profile() == "ipex" else 0)
 
 
@@ -161,21 +160,20 @@ def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) ->
 
 @pytest.fixture(scope="session")
 def task_model_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Every model of scripts/make_test_models.py (MiniLM + seeded heads), by name."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_test_models
+    """Every model of tests/tiny_models.py (MiniLM + seeded heads), by name."""
+    from tests import tiny_models
 
     out = tmp_path_factory.mktemp("test-models")
-    return {name: make_test_models.build(name, out) for name in make_test_models.MODELS}
+    return {name: tiny_models.build(name, out) for name in tiny_models.MODELS}
 
 
 @pytest.fixture(scope="session")
 def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
-    """The archives the integration tests serve, built by scripts/package.py as a user builds them. Under
-    scripts/test.sh each is built once, by the first profile that needs it, into the shared store: both profiles serve
-    the very same bytes (the weights of scripts/make_test_models.py do not depend on the torch version)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import package
+    """The archives the integration tests serve, built by handlers/serving/archive.py (python -m handlers package) as
+    a user builds them. Under scripts/test.sh each is built once, by the first profile that needs it, into the shared
+    store: both profiles serve the very same bytes (the weights of tests/tiny_models.py do not depend on the torch
+    version)."""
+    from handlers.serving import archive as package
 
     store = tmp_path_factory.mktemp("model_store")
     shared = Path(os.environ[SHARED_STORE_ENV]) if os.environ.get(SHARED_STORE_ENV) else None
@@ -220,7 +218,7 @@ def quiet_load_counters(monkeypatch):
     """The kernel's run-queue counter says nothing, as on a kernel without it, so a race or timing
     (handlers.ladder.race)
     counts its first try as quiet. For tests of what follows a quiet timing, not of how a busy machine is told:
-    beside the suite's other stage, niced, a try can stay busy through a whole patience (CPU A, stop 60)."""
+    beside the suite's other stage, niced, a try can stay busy through a whole patience."""
     from handlers.ladder import race
 
     monkeypatch.setattr(race, "runqueue_wait_s", lambda: None)

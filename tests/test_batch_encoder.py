@@ -118,10 +118,10 @@ def test_a_tokenizer_without_a_padding_token_keeps_transformers_path(task_model_
 def test_an_embeddings_request_is_answered_through_the_encoder(tiny_bert_dir):
     engine = make_engine(tiny_bert_dir)
     engine.load()
-    assert engine._task._encoder is not None
+    assert engine.task._encoder is not None
     calls = []
-    encoder = engine._task._encoder
-    engine._task._encoder = lambda texts: calls.append(texts) or encoder(texts)
+    encoder = engine.task._encoder
+    engine.task._encoder = lambda texts: calls.append(texts) or encoder(texts)
     (answer,) = engine.predict([{"inputs": ["alpha beta", "gamma"]}])
     assert calls == [["alpha beta", "gamma"]] and len(answer["embeddings"]) == 2
 

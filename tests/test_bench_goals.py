@@ -1,20 +1,15 @@
-"""scripts/bench_goals.py: each goal of issue 19 read off the benchmarks' outputs, met or missed, on the CPUs the
-issue sets it for. The outputs here are written by hand in the benchmarks' own formats, with numbers from both sides
-of each bound; the benchmarks themselves run in scripts/bench_goals.py, never in a test (timing is measured, not
-asserted)."""
+"""benchmarks/goals.py: each speed goal read off the benchmarks' outputs, met or missed, on the CPUs it is set for.
+The outputs here are written by hand in the benchmarks' own formats, with numbers from both sides of each bound; the
+benchmarks themselves run in benchmarks/goals.py, never in a test (timing is measured, not asserted)."""
 
 from __future__ import annotations
 
 import csv
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import bench_goals  # noqa: E402
+from benchmarks import goals as bench_goals
 
 AVX512_VNNI = ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]
 AVX2 = ["avx2"]
@@ -97,8 +92,8 @@ def test_a_lone_request_is_shown_against_torchserves_floor_where_it_was_measured
 
 
 def test_the_handlers_own_time_is_the_workers_where_the_run_read_it():
-    """bench_overhead.py reads each answer's Server-Timing: the handler's own time and forward in the worker judge and
-    show; an older run's in-process figures where it did not."""
+    """benchmarks/overhead.py reads each answer's Server-Timing: the handler's own time and forward in the worker
+    judge and show; an older run's in-process figures where it did not."""
     data = outputs()
     data["overhead"]["int8"].update({"worker_own": {"p50_ms": 1.2}, "worker_forward": {"p50_ms": 3.1}})
     goals = {goal.name: goal for goal in bench_goals.evaluate(data, AVX512_VNNI)}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers.cpu import core_share, idle_cores, openmp_pause
+from handlers.cpu import core_share, idle_cores, load_turns, openmp_pause, slot_file
 from tests.test_embeddings import make_engine
 
 CPUS = frozenset({0, 1})
@@ -223,18 +223,18 @@ def test_a_killed_worker_keeps_no_cores(tmp_path, siblings):
 
 def test_a_forward_asks_only_about_the_slots_workers_have_claimed(tmp_path, siblings, monkeypatch):
     """Each byte asked about is a lock and an unlock, twice per forward: a worker alone asked about 15 empty slots
-    (0.12 ms of a lone request on CPU A). It asks about the slots ever claimed: the live sibling's three bytes, the
-    killed one's owner byte, whose mark outlives it."""
+    (0.12 ms of a lone request on a Zen 4 EPYC). It asks about the slots ever claimed: the live sibling's three bytes,
+    the killed one's owner byte, whose mark outlives it."""
     mine, killed, live = share(tmp_path), siblings(), siblings()
     killed.close()
     asked: list[int] = []
-    is_locked = core_share.CoreShare._is_locked
-    monkeypatch.setattr(core_share.CoreShare, "_is_locked", lambda self, offset: asked.append(offset) or
+    is_locked = slot_file.SlotFile.is_locked
+    monkeypatch.setattr(slot_file.SlotFile, "is_locked", lambda self, offset: asked.append(offset) or
                         is_locked(self, offset))
     assert live.send("batch") == "ok" and live.send("forward 1") == "granted 1"
     with mine.batch(), mine.forward() as grant:
         assert grant.threads == 1
-    slots = {(offset - core_share._FIRST_SLOT) // core_share._SLOT_BYTES for offset in asked}
+    slots = {(offset - slot_file.FIRST_SLOT) // slot_file.SLOT_BYTES for offset in asked}
     assert slots == {1, 2} and len(asked) == 4, asked  # killed: slot 1, owner only; live: slot 2, owner, batch, forward
 
 
@@ -269,14 +269,14 @@ def test_a_load_names_its_model_only_while_it_holds_the_turn(tmp_path, siblings)
     assert other.send(f"load {long_name}") == "turn True threads 2"
     with mine.loading(long_name, 0.3) as turn:
         assert not turn.alone and turn.waited_for == (long_name,), turn
-    assert other.send("loaded") == "ok" and mine._loader() == ""
+    assert other.send("loaded") == "ok" and mine.turns.loader() == ""
     assert other.send("load minilm") == "turn True threads 2"
-    assert mine._loader() == "minilm"
+    assert mine.turns.loader() == "minilm"
     other.close()
     with mine.loading("minilm-int8", 0) as turn:
         assert turn == core_share.Turn(0.0, True, 2)
-        assert mine._loader() == "minilm-int8"
-    assert mine._loader() == ""
+        assert mine.turns.loader() == "minilm-int8"
+    assert mine.turns.loader() == ""
 
 
 def test_a_worker_loading_beside_serving_workers_leaves_their_forwards_the_rest_of_the_cores(tmp_path, siblings):
@@ -292,7 +292,7 @@ def test_a_worker_loading_beside_serving_workers_leaves_their_forwards_the_rest_
     started = time.monotonic()
     with mine.loading("minilm", 0) as turn:  # beside an idle one: every core, after looking for its batches
         assert turn == core_share.Turn(0.0, True, 2, serving=1)
-        assert core_share._BUSY_LOOK_S <= time.monotonic() - started < 5
+        assert load_turns.BUSY_LOOK_S <= time.monotonic() - started < 5
         assert other.send("batch") == "ok" and other.send("forward") == "granted 1"  # its share, beside the load
         assert other.send("release") == "ok"
     assert other.send("batch") == "ok"
@@ -312,8 +312,8 @@ def test_a_worker_loading_beside_serving_workers_leaves_their_forwards_the_rest_
 
 def test_an_engine_loads_after_another_worker_on_its_cores(tiny_bert_dir, siblings):
     engine = make_engine(tiny_bert_dir, name="turns")
-    assert engine.cores is not None
-    other = siblings(engine.cores.cores, engine.cores.path)
+    assert engine.cpu.share is not None
+    other = siblings(engine.cpu.share.cores, engine.cpu.share.path)
     assert other.send("load other-model").startswith("turn True threads ")  # fewer if an engine of this process served
     releases = other.later(1.0, "loaded")
     engine.load()
@@ -326,7 +326,7 @@ def test_an_engine_loads_after_another_worker_on_its_cores(tiny_bert_dir, siblin
 
 def test_an_engine_loads_on_its_share_beside_a_serving_worker_and_then_serves(tiny_bert_dir, siblings):
     engine = make_engine(tiny_bert_dir, name="beside")
-    cores = engine.cores
+    cores = engine.cpu.share
     assert cores is not None and cores.joined
     other = siblings(cores.cores, cores.path)
     assert other.send("serves") == "ok" and other.send("batch") == "ok"  # a worker busy serving
@@ -352,7 +352,7 @@ def test_one_share_per_process_and_file(tmp_path):
 def test_an_engine_takes_its_share_of_the_cores_while_another_worker_holds_a_batch(tiny_bert_dir, siblings):
     engine = make_engine(tiny_bert_dir)  # threads: auto
     engine.load()
-    cores = engine.cores
+    cores = engine.cpu.share
     assert cores is not None and cores.joined
     assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]
     assert engine.last_batch.threads == cores.cores
@@ -371,22 +371,22 @@ def test_a_forward_that_followed_another_workers_ends_its_openmp_threads(tiny_be
     monkeypatch.setattr(openmp_pause, "RESTART_PAYS_MS", math.inf)
     engine = make_engine(tiny_bert_dir, name="in-turn")  # threads: auto
     engine.load()
-    assert engine.openmp_pause is not None and engine.openmp_pause.restart_ms is not None
-    cores = engine.cores
-    assert cores is not None and engine.openmp_pause is not None and engine.openmp_pause.available
+    assert engine.cpu.openmp_pause is not None and engine.cpu.openmp_pause.restart_ms is not None
+    cores = engine.cpu.share
+    assert cores is not None and engine.cpu.openmp_pause is not None and engine.cpu.openmp_pause.available
     assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]  # after whichever worker's came last (a test's)
-    paused = engine.openmp_pauses
+    paused = engine.cpu.openmp_pauses
     assert engine.predict([{"text": f"after its own forward {LONG_TEXT}"}])[0]["embedding"]
-    assert engine.openmp_pauses == paused  # alone, its threads spin
+    assert engine.cpu.openmp_pauses == paused  # alone, its threads spin
     other = siblings(cores.cores, cores.path)
     assert other.send("batch") == "ok" and other.send("forward").startswith("granted ")
     assert other.send("release") == "ok"
     time.sleep(cores.remember_s)  # not overlapping: this forward runs on every core
     assert engine.predict([{"text": f"after the sibling's forward {LONG_TEXT}"}])[0]["embedding"]
     assert engine.last_batch.threads == cores.cores > 1
-    assert engine.openmp_pauses == paused + 1
+    assert engine.cpu.openmp_pauses == paused + 1
     assert engine.predict([{"text": f"after its own forward again {LONG_TEXT}"}])[0]["embedding"]
-    assert engine.openmp_pauses == paused + 1
+    assert engine.cpu.openmp_pauses == paused + 1
     said = engine.describe()["optimization"]["threads"]["openmp_after_forward"]
     assert said.startswith("threads ended after a forward on more than one that followed another worker's"), said
     assert f"({paused + 1} so far)" in said
@@ -396,13 +396,13 @@ def test_where_restarting_openmps_threads_costs_too_much_they_are_left_to_spin(t
     monkeypatch.setattr(openmp_pause, "RESTART_PAYS_MS", -math.inf)  # whatever this machine measures: too much
     engine = make_engine(tiny_bert_dir, name="spins")
     engine.load()
-    cores = engine.cores
-    assert cores is not None and engine.openmp_pause is not None and not engine.openmp_pause.pays
+    cores = engine.cpu.share
+    assert cores is not None and engine.cpu.openmp_pause is not None and not engine.cpu.openmp_pause.pays
     other = siblings(cores.cores, cores.path)
     assert other.send("forward").startswith("granted ") and other.send("end") == "ok"
     time.sleep(cores.remember_s)
     assert engine.predict([{"text": f"after the sibling's forward {LONG_TEXT}"}])[0]["embedding"]
-    assert engine.last_batch.threads == cores.cores and engine.openmp_pauses == 0
+    assert engine.last_batch.threads == cores.cores and engine.cpu.openmp_pauses == 0
     said = engine.describe()["optimization"]["threads"]["openmp_after_forward"]
     assert said.startswith("threads left to spin: restarting them after a pause cost a parallel region "), said
     assert said.endswith("(measured at load; the pause pays below -inf ms)"), said
@@ -413,7 +413,7 @@ def test_threads_configured_are_the_threads_every_forward_runs(tiny_bert_dir):
     try:
         engine = make_engine(tiny_bert_dir, {"pt2_handlers": {"ladder": ["eager"], "dtype": "float32", "threads": 1}})
         engine.load()
-        assert engine.cores is None and "per_forward" not in engine.describe()["optimization"]["threads"]
+        assert engine.cpu.share is None and "per_forward" not in engine.describe()["optimization"]["threads"]
         engine.predict([{"text": "one thread"}])
         assert engine.last_batch.threads == 1 and torch.get_num_threads() == 1
     finally:

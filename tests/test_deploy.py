@@ -16,12 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
+from handlers.serving import server as tsctl
+from tests.conftest import port_shift
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-
-import tsctl  # noqa: E402
-
-from tests.conftest import port_shift  # noqa: E402
 
 pytestmark = pytest.mark.default_profile  # kubernetes-validate is installed in the default venv only
 
@@ -135,8 +133,7 @@ def test_the_dockerfile_builds_what_the_manifests_run(cluster):
     assert f"USER {container['securityContext']['runAsUser']}" in dockerfile
     assert "--ts-config /etc/pt2-handlers/config.properties" in dockerfile
     assert "WORKDIR /var/run/torchserve" in dockerfile  # --run-dir of the probes: where key_file/logs go
-    for script in ("scripts/manage.py", "scripts/tsctl.py"):
-        assert script in dockerfile
+    assert "COPY handlers/ handlers/" in dockerfile  # the probes' python -m handlers, from /opt/pt2-handlers
     assert "ENV TORCHINDUCTOR_CACHE_DIR=/var/cache/pt2-handlers/inductor" in dockerfile
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".venv", ".venv-ipex", ".cache", ".git"} <= set(ignored)  # GBs that must not go into the build context
@@ -253,12 +250,12 @@ def test_the_in_pod_config_serves_and_the_manifest_probe_says_ready(tmp_path, mo
     try:
         pod = cluster["Deployment"]["spec"]["template"]["spec"]
         probe = next(c for c in pod["containers"] if c["name"] == "torchserve")["readinessProbe"]["exec"]["command"]
-        command = [sys.executable, str(REPO / "scripts" / "manage.py"), "--config", str(config),
+        command = [sys.executable, "-m", "handlers", "--config", str(config),
                    "--run-dir", str(run_dir), *probe[probe.index("ready"):]]
-        assert probe[1] == "/opt/pt2-handlers/scripts/manage.py", shlex.join(probe)
-        ready = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert probe[:5] == ["env", "PYTHONPATH=/opt/pt2-handlers", "python", "-m", "handlers"], shlex.join(probe)
+        ready = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
         assert ready.returncode == 0 and ready.stdout.strip() == "minilm: 1/1 workers READY", ready
-        missing = subprocess.run([*command[:-1], "nope"], capture_output=True, text=True, timeout=60)
+        missing = subprocess.run([*command[:-1], "nope"], capture_output=True, text=True, timeout=60, cwd=REPO)
         assert missing.returncode == 1 and "404" in missing.stderr, missing
         assert not (run_dir / "key_file.json").exists()
         body = b'{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hello"]}]}'

@@ -23,12 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from handlers.serving import server as tsctl
+from tests.conftest import port_shift
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-
-import tsctl  # noqa: E402
-
-from tests.conftest import port_shift  # noqa: E402
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 PORT_SHIFT = port_shift(16000)  # clear of the other test servers (+10000 ... +15000)
@@ -291,7 +289,7 @@ def target(docs_server, tmp_path_factory) -> Target:
     assert shutil.which("curl"), "the docs' examples call curl: install it (apt-get install curl)"
     cwd = tmp_path_factory.mktemp("docs-cwd")  # files the examples write stay out of the checkout
     for entry in REPO.iterdir():
-        if entry.name in ("handlers", "model_configs", "scripts", "deploy", "schema", "constraints"):
+        if entry.name in ("handlers", "benchmarks", "model_configs", "scripts", "deploy", "schema", "constraints"):
             (cwd / entry.name).symlink_to(entry)
     (cwd / ".venv").symlink_to(Path(sys.prefix))
     config = docs_server.run_dir.parent / "config.properties"
@@ -299,8 +297,8 @@ def target(docs_server, tmp_path_factory) -> Target:
     substitutions = {"http://127.0.0.1:8080": docs_server.inference_url,
                      "http://127.0.0.1:8081": docs_server.management_url,
                      "http://127.0.0.1:8082": docs_server.metrics_url,
-                     **{f"scripts/{script}.py": f"scripts/{script}.py {server_args}"
-                        for script in ("manage", "grpc_client", "sample_request")}}
+                     **{command: f"{command} {server_args}"
+                        for command in ("-m handlers", "-m benchmarks.grpc_client", "scripts/sample_request.py")}}
     env = {**os.environ, "KEY": docs_server.key("inference"), "MKEY": docs_server.key("management")}
     env.pop("PYTHONPATH", None)
     return Target(cwd, env, substitutions)
@@ -354,15 +352,15 @@ def test_the_comparison_catches_what_it_should():
 def test_the_bad_request_table_is_what_hostile_inputs_prints():
     """docs/tasks/errors.md shows the cases' table verbatim; tests/test_torchserve.py checks the cases on a real
     TorchServe for every task."""
-    printed = subprocess.run([sys.executable, str(REPO / "scripts" / "hostile_inputs.py"), "--markdown"],
+    printed = subprocess.run([sys.executable, "-m", "benchmarks.hostile_inputs", "--markdown"], cwd=REPO,
                              capture_output=True, text=True, check=True, timeout=120).stdout.strip().splitlines()
     page = (REPO / "docs" / "tasks" / "errors.md").read_text().splitlines()
-    assert printed and printed[0] in page, "no table from scripts/hostile_inputs.py --markdown on the page"
+    assert printed and printed[0] in page, "no table from python -m benchmarks.hostile_inputs --markdown on the page"
     start = page.index(printed[0])
     shown = page[start:start + len(printed) + 1]
     ends = len(shown) == len(printed) or not shown[-1].startswith("|")
     assert shown[:len(printed)] == printed and ends, (
-        "docs/tasks/errors.md's table differs from scripts/hostile_inputs.py --markdown: paste its output")
+        "docs/tasks/errors.md's table differs from python -m benchmarks.hostile_inputs --markdown: paste its output")
 
 
 def test_readme_links_into_docs_resolve():

@@ -127,7 +127,7 @@ def test_bad_bodies_fail_alone_with_a_clear_400(engine, body, message):
 def test_a_bug_reading_one_request_fails_that_request_alone(engine, monkeypatch):
     """Whatever breaks in parse or preprocess for one body (here: a tokenizer that chokes on one word) is a
     500 for that body; its neighbours in the batch are answered."""
-    task = engine._task
+    task = engine.task
     encode = task.encode
 
     def choke(texts):
@@ -162,7 +162,7 @@ def test_a_tokenizer_panic_on_one_request_fails_that_request_alone(engine, monke
     """A Rust panic is no ``Exception``: it used to pass every guard and fail the whole batch."""
     panic = rust_panic()
     assert not isinstance(panic, Exception) and type(panic).__name__ == "PanicException"
-    task = engine._task
+    task = engine.task
     original = getattr(task, "parse" if stage == "parse" else "encode")
 
     def panicking(value):
@@ -263,7 +263,7 @@ def test_compiled_tiny_model_with_live_fallback(tiny_bert_dir):
     engine.load()
     assert engine.active_rung == "compile"
     good = engine.predict([{"text": "hello"}])[0]["embedding"]
-    engine._guard._optimized = lambda **batch: (_ for _ in ()).throw(RuntimeError("device lost"))
+    engine.guard._optimized = lambda **batch: (_ for _ in ()).throw(RuntimeError("device lost"))
     again = engine.predict([{"text": "hello"}])[0]["embedding"]
     torch.testing.assert_close(torch.tensor(again), torch.tensor(good), atol=1e-5, rtol=1e-4)
     assert engine.active_rung == "eager" and engine.runtime_failures == 1

@@ -2,8 +2,8 @@
 
 The server here starts with ``CXX`` naming a compiler that does not exist, as a worker image without g++ would
 have. Inductor on CPU cannot build its kernels there. So the shipped archive must come up on a lower rung at once,
-with the reason in describe. An archive whose YAML is invalid (built past scripts/package.py's check) must fail to
-register, with the reason in the model log, and must not leave workers restarting.
+with the reason in describe. An archive whose YAML is invalid (built past python -m handlers package's check) must
+fail to register, with the reason in the model log, and must not leave workers restarting.
 """
 
 from __future__ import annotations
@@ -11,22 +11,19 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from handlers.rungs.ipex import probe_ipex
+from handlers.serving import archive as package
+from handlers.serving import server as tsctl
+from tests.conftest import port_shift
+from tests.test_torchserve import TEXTS, assert_close_embeddings, describe, predict
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-
-import package  # noqa: E402
-import tsctl  # noqa: E402
-
-from handlers.rungs.ipex import probe_ipex  # noqa: E402
-from tests.conftest import port_shift  # noqa: E402
-from tests.test_torchserve import TEXTS, assert_close_embeddings, describe, predict  # noqa: E402
 
 # Once, in the ipex stage when scripts/test.sh runs one (TorchServe's handling of these faults does not depend on
 # torch's version; a worker without a compiler serves there on the IPEX rung, here on eager).
@@ -69,7 +66,7 @@ def test_a_worker_without_a_cpp_compiler_serves_on_a_lower_rung_and_says_why(no_
 
 
 def typo_archive(model_dir: Path, store: Path, tmp: Path) -> Path:
-    """An archive whose YAML has a typo, built past scripts/package.py's check (which would refuse it)."""
+    """An archive whose YAML has a typo, built past python -m handlers package's check (which would refuse it)."""
     config = tmp / "typo.yaml"
     config.write_text("minWorkers: 1\nmaxWorkers: 1\npt2:\n  compile:\n    enable: true\n    mdoe: reduce-overhead\n")
     with tempfile.TemporaryDirectory() as staging_root:

@@ -19,7 +19,7 @@ from handlers.config import load_config
 from handlers.errors import ConfigError, InvalidInput
 from handlers.rungs import thread_guard as global_state
 from handlers.serving.engine import Engine
-from handlers.tasks.generation import Completion, GenerationRequest
+from handlers.tasks.decoding import Completion, GenerationRequest
 from tests import faulty_backends
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,11 +170,11 @@ def test_the_decode_step_compiles_one_graph_per_bucket_and_nothing_after_the_war
     graph break): its own counters say whether the step really compiled, and stays compiled."""
     engine, at_load = request.getfixturevalue(loaded)
     buckets = engine.shapes.warmup_shapes()
-    counts = engine._runs_at or (torch.get_num_threads(),)
+    counts = engine.cpu.runs_at or (torch.get_num_threads(),)
     # One set of graphs for every count on shared cores (handlers.rungs.thread_guard); torch 2.8 compiles per count.
-    sets = 1 if engine.cores is not None and global_state.guard_can_be_left_out() else len(counts)
+    sets = 1 if engine.cpu.share is not None and global_state.guard_can_be_left_out() else len(counts)
     assert at_load == DynamoCounts(graphs=len(buckets) * sets, graph_breaks=0, frames_given_up=0)
-    task = engine._task
+    task = engine.task
     before, threads = dynamo_counts(), torch.get_num_threads()
     try:
         for count in counts:  # the same buckets again, through the served step, at each count the share may give
@@ -288,7 +288,7 @@ def test_streamed_chunks_concatenate_to_the_answer(compiled):
 
 
 def test_stream_holds_back_partial_characters_and_possible_stop_strings(eager):
-    tokenizer = eager._task.tokenizer
+    tokenizer = eager.task.tokenizer
     text = "日本語 🚀 then a sto then stop here"
     ids = tokenizer(text)["input_ids"]
     assert len(ids) > len(text.split()), "the multi-byte characters should span several byte-level tokens"
@@ -310,7 +310,7 @@ def test_stream_holds_back_partial_characters_and_possible_stop_strings(eager):
 
 
 def test_eos_ends_a_row_and_the_batch_stops_when_every_row_is_done(eager):
-    tokenizer = eager._task.tokenizer
+    tokenizer = eager.task.tokenizer
     request = GenerationRequest("p", (1,), max_new_tokens=10, stream=True)
     completion = Completion(request, tokenizer, frozenset({tokenizer.eos_token_id}), watch=True)
     hello = tokenizer("hello")["input_ids"]

@@ -4,13 +4,13 @@ int8 left out, visibly. Run on a GPU machine (with a CUDA build of torch) as:
 
     pytest -m gpu
 
-Last run 2026-11-27 (stop 44) on an NVIDIA H100 (torch 2.11.0+cu130, transformers 5.24.0): 9 passed in 352 s;
+Last run 2026-11-27 at 38a4df8 on an NVIDIA H100 (torch 2.11.0+cu130, transformers 5.24.0): 9 passed in 352 s;
 inductor recorded 6 CUDA graphs for the bucketed engine and skipped none, and every shipped YAML's graphs kept SDPA
-(the fused attention kernel is CPU code). Again 2026-11-30 (stop 59) on an NVIDIA H200 (torch 2.11.0+cu130,
+(the fused attention kernel is CPU code). Again 2026-11-30 at 74f51ad on an NVIDIA H200 (torch 2.11.0+cu130,
 transformers 5.24.0, MiniLM's weights carried as fp16 and widened back to fp32): 9 passed in 329 s, 6 CUDA graphs, no
 skips; each shipped YAML served fp32 compile (bf16 slower for MiniLM's embeddings and classification heads, off the
 gate for the random NER and QA heads); the forward-stage test added after it passed on its own there. Its first
-run (stop 40) found the token-classification pipeline moving a CPU worker's model to the GPU (fixed; a CPU-side test
+run found the token-classification pipeline moving a CPU worker's model to the GPU (fixed; a CPU-side test
 of it is in tests/test_token_classification.py).
 
 Deselected (not skipped) where there is no CUDA device: see tests/conftest.py.
@@ -27,7 +27,7 @@ import yaml
 from torch._dynamo.utils import counters
 
 from handlers.config import CompileSpec, DType, load_config
-from handlers.ladder import run_ladder
+from handlers.ladder import Precisions, Warmup, run_ladder
 from handlers.rungs import CompileRung, EagerRung
 from handlers.serving.engine import Engine
 from handlers.tasks.embeddings import CosineGate
@@ -108,8 +108,8 @@ def test_compile_rung_marks_steps_and_clones_on_cuda():
     module = Mlp().to(CUDA).eval()
     batches = [{"x": torch.randn(2, 8, device=CUDA)}]
     spec = CompileSpec(enabled=True, mode="reduce-overhead", dynamic=False)
-    result = run_ladder(module, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches,
-                        lambda dtype: CosineGate(0.9999))
+    result = run_ladder(module, [CompileRung("compile", spec), EagerRung()],
+                        Warmup(batches, lambda dtype: CosineGate(0.9999)), Precisions((DType.FLOAT32,)))
     assert result.active == "compile"
     with torch.inference_mode():
         first = result.forward(**batches[0])
@@ -119,7 +119,7 @@ def test_compile_rung_marks_steps_and_clones_on_cuda():
         torch.testing.assert_close(first, module(**batches[0]))
 
 
-# Each shipped model YAML, as a user deploys it, on a GPU worker: (model of scripts/make_test_models.py, or None for
+# Each shipped model YAML, as a user deploys it, on a GPU worker: (model of tests/tiny_models.py, or None for
 # MiniLM itself; the YAML; request bodies). Answers are compared with fp32 eager on the CPU.
 SHIPPED = {
     "embeddings": (None, "minilm-embeddings.yaml",
@@ -193,7 +193,7 @@ def test_the_forward_stage_holds_the_gpus_work_not_postprocess(minilm_dir):
     """A GPU runs the forward asynchronously, and a replayed CUDA graph returns as soon as it is launched: unless the
     engine waits for the GPU before timing the forward stage, whatever path the batch takes, the GPU's work can land
     in postprocess (where the answers are copied to the host), and the per-stage times (describe, the metrics) blame
-    the handler for the model. (Stop 59, H200: forward 3.09 ms, postprocess 0.21 ms; not run without the wait.)"""
+    the handler for the model. (On an H200: forward 3.09 ms, postprocess 0.21 ms; not run without the wait.)"""
     torch._dynamo.reset()
     engine = shipped_engine("embeddings", minilm_dir, CUDA)
     body = {"inputs": [" ".join(["serving compiled models on a GPU"] * 40)] * 8}  # 8 texts of 256 tokens

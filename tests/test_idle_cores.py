@@ -37,9 +37,9 @@ def test_the_rule_holds_only_where_the_cpu_says_it_is_virtual():
 def engine(tiny_bert_dir):
     engine = make_engine(tiny_bert_dir, name="idle")  # threads: auto
     engine.load()
-    if engine.cores is None or engine.cores.cores < 2:
-        pytest.fail(f"this test needs 2+ cores shared forward by forward, found {engine.cores}")
-    engine.idle_cores = IdleCores()  # as on a virtual CPU, whatever this one is
+    if engine.cpu.share is None or engine.cpu.share.cores < 2:
+        pytest.fail(f"this test needs 2+ cores shared forward by forward, found {engine.cpu.share}")
+    engine.cpu.idle_cores = IdleCores()  # as on a virtual CPU, whatever this one is
     return engine
 
 
@@ -48,29 +48,29 @@ def embedding(engine, text: str) -> torch.Tensor:
 
 
 def test_a_short_text_after_idleness_runs_on_one_thread_with_the_same_answer(engine, tiny_bert_dir):
-    time.sleep(engine.idle_cores.idle_s * 2)
+    time.sleep(engine.cpu.idle_cores.idle_s * 2)
     after_idle = embedding(engine, SHORT)
     assert engine.last_batch.threads == 1
     # Right after a forward its threads are still awake. Judged against a 1 s window, not 20 ms: on a busy machine
     # the request's own parse once took 36 ms between the two forwards.
-    engine.idle_cores = IdleCores(idle_s=1.0)
+    engine.cpu.idle_cores = IdleCores(idle_s=1.0)
     try:
         awake = embedding(engine, SHORT)
     finally:
-        engine.idle_cores = IdleCores()
-    assert engine.last_batch.threads == engine.cores.cores
+        engine.cpu.idle_cores = IdleCores()
+    assert engine.last_batch.threads == engine.cpu.share.cores
     want = reference(tiny_bert_dir, [SHORT])[0]
     for got in (after_idle, awake):
         assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.9999
 
 
 def test_a_long_text_after_idleness_keeps_every_core(engine):
-    time.sleep(engine.idle_cores.idle_s * 2)
+    time.sleep(engine.cpu.idle_cores.idle_s * 2)
     embedding(engine, LONG)
-    assert engine.last_batch.threads == engine.cores.cores
+    assert engine.last_batch.threads == engine.cpu.share.cores
 
 
 def test_describe_says_when_a_forward_runs_on_fewer_threads(engine):
     per_forward = engine.describe()["optimization"]["threads"]["per_forward"]
-    assert per_forward.startswith(f"shared with the other workers on these {engine.cores.cores} cores"), per_forward
+    assert per_forward.startswith(f"shared with the other workers on these {engine.cpu.share.cores} cores"), per_forward
     assert per_forward.endswith(IdleCores().describe()), per_forward

@@ -1,4 +1,4 @@
-"""Nothing heavy at import of the handler module (issue 18, item 9).
+"""Nothing heavy at import of the handler module.
 
 TorchServe imports the handler file before Pt2Handler.initialize checks the compile-cache location
 (handlers.rungs.compile_cache). Anything that imports ``torch._dynamo`` at that point (transformers' pipelines do)
@@ -20,15 +20,12 @@ import pytest
 import yaml
 
 from handlers.rungs.compile_cache import CONFIG_KEY, ENV_VAR
+from handlers.serving import archive as package
+from handlers.serving import server as tsctl
+from tests.conftest import port_shift
+from tests.test_torchserve import describe
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-
-import package  # noqa: E402
-import tsctl  # noqa: E402
-
-from tests.conftest import port_shift  # noqa: E402
-from tests.test_torchserve import describe  # noqa: E402
 
 HEAVY_PREFIXES = ("torch._dynamo", "torch._inductor", "transformers.pipelines")
 PRIVATE_PREFIX = "pt2-handlers-inductor-"  # compile_cache's private fallback directory

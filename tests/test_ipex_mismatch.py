@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from handlers.serving import server as tsctl
 from tests.conftest import IPEX_WHEEL_ENV
 from tests.test_torchserve import TEXTS, assert_close_embeddings, describe, predict, shifted_config
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-
-import tsctl  # noqa: E402
 
 pytestmark = [pytest.mark.ipex_mismatch, pytest.mark.integration]
 

@@ -13,10 +13,10 @@ import torch
 
 from handlers.config import CompileSpec, DType, RungName, load_config
 from handlers.config.shapes import AfterReady
-from handlers.ladder import AttemptStatus, Calibration, QualityError, race, run_ladder
-from handlers.ladder.decisions import Memory
+from handlers.ladder import AttemptStatus, Calibration, Precisions, QualityError, Site, Warmup, race, run_ladder
+from handlers.ladder.decisions import DecisionStore
 from handlers.ladder.guard import GuardedForward, ShapeNotWarmed, is_refused_recompile
-from handlers.rungs import CompileRung, EagerRung, IpexRung, Rung, build_ladder
+from handlers.rungs import CompileRung, EagerRung, IpexRung, Rung, build_rungs
 from handlers.rungs import thread_guard as global_state
 from handlers.rungs.dynamo_counts import dynamo_counts
 from handlers.rungs.ipex import probe_ipex
@@ -31,7 +31,7 @@ def ipex_usable() -> bool:
 
 def ladder(net, rungs, batches, gate=GATE, precisions=(DType.FLOAT32,)):
     """The ladder at ``precisions`` (fp32 alone by default: the serving module is the reference itself)."""
-    return run_ladder(net, precisions, rungs, batches, lambda dtype: gate)
+    return run_ladder(net, rungs, Warmup(batches, lambda dtype: gate), Precisions(precisions))
 
 
 def compiled_graphs() -> int:
@@ -185,7 +185,7 @@ def test_real_inductor_compile_is_accepted(net, batches):
 
 def test_build_ladder_skips_what_cannot_run(net, batches):
     config = load_config({"pt2": {"compile": {"enable": False}}})
-    result = ladder(net, build_ladder(config, torch.device("cpu")), batches)
+    result = ladder(net, build_rungs(config, torch.device("cpu")), batches)
     skipped = {a.rung: a.reason for a in result.attempts if a.status is AttemptStatus.SKIPPED}
     assert skipped["compile"] == skipped["safe_compile"] == "pt2.compile.enable is not true"
     if ipex_usable():  # the ipex profile: the IPEX rung runs, passes the gate and serves
@@ -197,7 +197,7 @@ def test_build_ladder_skips_what_cannot_run(net, batches):
 
 def test_safe_compile_identical_to_the_request_is_skipped():
     config = load_config({"pt2": {"compile": {"enable": True}}, "pt2_handlers": {"freezing": False}})
-    rungs = build_ladder(config, torch.device("cpu"))
+    rungs = build_rungs(config, torch.device("cpu"))
     assert [r.name for r in rungs] == ["compile", "safe_compile", "ipex", "eager"]
     assert rungs[1].unavailable_reason() == "identical to the compile rung"
 
@@ -323,12 +323,12 @@ def test_only_half_precisions_that_all_fail_end_on_fp32_eager(net, batches):
 def test_a_model_that_cannot_be_converted_to_a_precision_is_served_in_the_next(net, batches, monkeypatch):
     """Converting the model (e.g. int8's quantization) happens at the precision's screen: if it raises, the
     precision is out, the load goes on and describe says why."""
-    import handlers.ladder
+    import handlers.ladder.variants
 
     def in_precision(module, dtype):
         raise RuntimeError(f"no {dtype.value} kernels for this layer")
 
-    monkeypatch.setattr(handlers.ladder, "in_precision", in_precision)
+    monkeypatch.setattr(handlers.ladder.variants, "in_precision", in_precision)
     result = ladder(net, [FaultyRung("compile"), EagerRung()], batches, CosineGate(0.999),
                     precisions=(DType.BFLOAT16, DType.FLOAT32))
     assert [(a.rung, a.status, a.dtype, a.screen) for a in result.attempts] == [
@@ -452,8 +452,8 @@ def test_the_cpu_probes_see_a_neighbour_on_this_processs_cores():
 def test_int8_that_passes_the_gate_serves_only_where_it_is_faster(net, batches, slow):
     """int8 trades answers for speed: it is raced on the warmup batches against the same rung in the next
     precision that passes, and serves only if at least 5 % faster; both times are in describe."""
-    result = run_ladder(net, (DType.INT8, DType.BFLOAT16, DType.FLOAT32), [SlowIn("compile", slow, 10), EagerRung()],
-                        batches, int8_gate)
+    result = run_ladder(net, [SlowIn("compile", slow, 10), EagerRung()], Warmup(batches, int8_gate),
+                        Precisions((DType.INT8, DType.BFLOAT16, DType.FLOAT32)))
     attempts = [(a.rung, a.dtype, a.status.value) for a in result.attempts]
     winner = DType.BFLOAT16 if slow is DType.INT8 else DType.INT8
     assert result.dtype is winner and result.active == "compile"
@@ -493,9 +493,9 @@ class SlowWhen(SmallNet):
 def test_autos_bf16_serves_only_where_its_eager_screen_beats_fp32(batches, slow):
     """auto promises the fastest precision that keeps the answers: its bf16 is raced against fp32 eager in the
     screen (eager, no compile), and where it is not faster no rung runs in it; fp32 compiles instead."""
-    result = run_ladder(SlowWhen(slow).eval(), (DType.BFLOAT16, DType.FLOAT32), [SlowIn("compile", None, 0),
-                                                                                  EagerRung()],
-                        batches, lambda dtype: CosineGate(0.99), half_must_pay=(DType.BFLOAT16,))
+    result = run_ladder(SlowWhen(slow).eval(), [SlowIn("compile", None, 0), EagerRung()],
+                        Warmup(batches, lambda dtype: CosineGate(0.99)),
+                        Precisions((DType.BFLOAT16, DType.FLOAT32), must_beat_fp32=(DType.BFLOAT16,)))
     attempts = [(a.rung, a.dtype, a.status.value) for a in result.attempts]
     screen = result.attempts[0]
     assert screen.screen and screen.forward_ms is not None
@@ -516,7 +516,7 @@ def test_workers_of_one_model_follow_the_race_an_earlier_load_kept(batches, tmp_
     machine: it could pick the other precision, whose graph no worker compiled. So a load keeps its race (beside the
     compile cache) and the next load of the same model on the same machine follows it: without racing where its
     times were reliable; where they were not, a reliable race replaces it and an unreliable one follows it."""
-    memory = Memory(tmp_path / "memory")
+    memory = DecisionStore(tmp_path / "memory")
     raced = []
 
     def serves(outcome, machine="2 cores"):
@@ -526,10 +526,10 @@ def test_workers_of_one_model_follow_the_race_an_earlier_load_kept(batches, tmp_
             return outcome
 
         monkeypatch.setattr(race, "run_race", run_race)
-        result = run_ladder(SmallNet().eval(), (DType.BFLOAT16, DType.FLOAT32), [SlowIn("compile", None, 0),
-                                                                                 EagerRung()],
-                            batches, lambda dtype: CosineGate(0.99), half_must_pay=(DType.BFLOAT16,), memory=memory,
-                            machine=machine)
+        result = run_ladder(SmallNet().eval(), [SlowIn("compile", None, 0), EagerRung()],
+                            Warmup(batches, lambda dtype: CosineGate(0.99)),
+                            Precisions((DType.BFLOAT16, DType.FLOAT32), must_beat_fp32=(DType.BFLOAT16,)),
+                            Site(decisions=memory, machine=machine))
         return result.dtype, result.attempts[0].reason
 
     busy, quiet = (0.5, 0.5), (0.0, 0.0)
@@ -556,7 +556,7 @@ def test_int8_that_won_its_race_before_serves_without_compiling_its_rival(net, b
     compile would only lose (a warm worker's seconds). describe keeps both times, the rival "not built"."""
     # The first race must count as quiet to be followed (a busy one is raced again: test_workers_of_one_model_follow_
     # the_race_an_earlier_load_kept); the fp32 rival's 10 ms sleep loses on any machine.
-    memory = Memory(tmp_path / "memory")
+    memory = DecisionStore(tmp_path / "memory")
 
     class Counted(SlowIn):
         built: list = []
@@ -569,8 +569,8 @@ def test_int8_that_won_its_race_before_serves_without_compiling_its_rival(net, b
         Counted.built = []
         rung = Counted("compile", DType.FLOAT32, 10)
         rung.spec = options  # as CompileRung's: what the YAML asks of the compile
-        result = run_ladder(net, (DType.INT8, DType.FLOAT32), [rung, EagerRung()], batches, int8_gate, memory=memory,
-                            machine="2 cores")
+        result = run_ladder(net, [rung, EagerRung()], Warmup(batches, int8_gate),
+                            Precisions((DType.INT8, DType.FLOAT32)), Site(decisions=memory, machine="2 cores"))
         return result, Counted.built
 
     first, built = load()
@@ -590,8 +590,8 @@ def test_int8_that_won_its_race_before_serves_without_compiling_its_rival(net, b
 
 def test_a_named_bf16_is_not_raced_in_its_screen(batches):
     """bf16 the YAML names (not auto's) serves as asked, slower or not: the user may want it for its memory."""
-    result = run_ladder(SlowWhen(torch.bfloat16).eval(), (DType.BFLOAT16, DType.FLOAT32),
-                        [SlowIn("compile", None, 0), EagerRung()], batches, lambda dtype: CosineGate(0.99))
+    result = run_ladder(SlowWhen(torch.bfloat16).eval(), [SlowIn("compile", None, 0), EagerRung()],
+                        Warmup(batches, lambda dtype: CosineGate(0.99)), Precisions((DType.BFLOAT16, DType.FLOAT32)))
     assert [(a.rung, a.dtype, a.status.value) for a in result.attempts] == [
         ("eager", "bfloat16", "passed"), ("compile", "bfloat16", "accepted")]
     assert result.attempts[0].forward_ms is None
@@ -602,9 +602,8 @@ def test_int8_runs_its_float_layers_in_fp32_where_autos_bf16_does_not_pay(batche
     """int8's float layers follow bf16's screen: where bf16 is slower than fp32, int8 keeps them in fp32 and races
     the fp32 compile."""
     net = SlowWhen(torch.bfloat16).eval()
-    result = run_ladder(net, (DType.INT8, DType.BFLOAT16, DType.FLOAT32), [SlowIn("compile", DType.FLOAT32, 10),
-                                                                          EagerRung()],
-                        batches, int8_gate, half_must_pay=(DType.BFLOAT16,))
+    result = run_ladder(net, [SlowIn("compile", DType.FLOAT32, 10), EagerRung()], Warmup(batches, int8_gate),
+                        Precisions((DType.INT8, DType.BFLOAT16, DType.FLOAT32), must_beat_fp32=(DType.BFLOAT16,)))
     attempts = [(a.rung, a.dtype, a.status.value) for a in result.attempts]
     assert attempts == [("eager", "bfloat16", "slower"), ("eager", "int8", "passed"), ("compile", "int8", "accepted"),
                         ("compile", "float32", "slower")]
@@ -824,7 +823,7 @@ def test_a_cpu_worker_without_a_cpp_compiler_skips_the_inductor_rungs_at_once():
     assert features.cpp_compiler_problem(torch.device("meta")) is None
     config = load_config({"pt2": {"compile": {"enable": True, "backend": "tests.faulty_backends:raise_on_compile"}},
                           "pt2_handlers": {"ladder": ["compile", "safe_compile", "eager"]}})
-    rungs = build_ladder(config, cpu, inductor_unavailable=problem)
+    rungs = build_rungs(config, cpu, inductor_unavailable=problem)
     assert [rung.unavailable_reason() for rung in rungs[:2]] == [None, problem]
 
 
@@ -838,8 +837,8 @@ def test_int8_is_judged_on_held_out_batches_its_calibration_never_saw(net, batch
     calibration = Calibration([{"x": torch.randn(4, 8, generator=generator)} for _ in range(4)],
                               [{"x": spread * torch.randn(2, 8, generator=generator)}], "four random batches",
                               "other random rows")
-    result = run_ladder(net, (DType.INT8, DType.FLOAT32), [SlowIn("compile", DType.FLOAT32, 0), EagerRung()],
-                        batches, int8_gate, calibration=calibration)
+    result = run_ladder(net, [SlowIn("compile", DType.FLOAT32, 0), EagerRung()], Warmup(batches, int8_gate),
+                        Precisions((DType.INT8, DType.FLOAT32), calibration=calibration))
     screen = result.attempts[0]
     assert (screen.rung, screen.dtype, screen.screen) == ("eager", "int8", True)
     assert screen.quality.held_out is not None and screen.quality.value == min(screen.quality.held_out,
@@ -877,8 +876,8 @@ def test_a_compiled_forward_is_proven_at_each_thread_count_it_may_be_given(net, 
     forward compiles again, which after READY the stance refuses (here: after_ready fail raises)."""
     torch._dynamo.reset()
     rung = CompileRung("compile", CompileSpec(enabled=True, backend="eager"))
-    result = run_ladder(net, (DType.FLOAT32,), [rung, EagerRung()], batches, lambda dtype: GATE,
-                        thread_counts=(1, 2))
+    result = run_ladder(net, [rung, EagerRung()], Warmup(batches, lambda dtype: GATE), Precisions((DType.FLOAT32,)),
+                        Site(thread_counts=(1, 2)))
     assert result.active == "compile" and result.threads == (1, 2)
     assert torch.get_num_threads() == 2  # the load's count again
     guard = GuardedForward(result, net, 3, AfterReady.FAIL)
@@ -899,12 +898,13 @@ def test_an_inductor_compile_on_shared_cores_serves_every_count_with_the_same_gr
     one_set = global_state.guard_can_be_left_out()
     torch._dynamo.reset()
     before = compiled_graphs()
-    assert run_ladder(net, (DType.FLOAT32,), [rung], batches, lambda dtype: GATE).active == "compile"
+    result = run_ladder(net, [rung], Warmup(batches, lambda dtype: GATE), Precisions((DType.FLOAT32,)))
+    assert result.active == "compile"
     at_one_count = compiled_graphs() - before
     torch._dynamo.reset()
     before = compiled_graphs()
-    result = run_ladder(net, (DType.FLOAT32,), [rung, EagerRung()], batches, lambda dtype: GATE,
-                        thread_counts=(1, 2))
+    result = run_ladder(net, [rung, EagerRung()], Warmup(batches, lambda dtype: GATE), Precisions((DType.FLOAT32,)),
+                        Site(thread_counts=(1, 2)))
     assert result.active == "compile" and result.threads == (1, 2)
     at_two_counts = compiled_graphs() - before
     assert at_two_counts == at_one_count if one_set else at_two_counts > at_one_count  # 2.8: graphs of its own
@@ -934,13 +934,14 @@ def test_an_inductor_compile_on_shared_cores_serves_every_count_with_the_same_gr
 def test_a_thread_count_the_compile_fails_at_is_left_out(net, batches, two_threads):
     torch._dynamo.reset()
     rung = CompileRung("compile", CompileSpec(enabled=True, backend="tests.test_ladder:fails_at_one_thread"))
-    result = run_ladder(net, (DType.FLOAT32,), [rung, EagerRung()], batches, lambda dtype: GATE,
-                        thread_counts=(1, 2))
+    result = run_ladder(net, [rung, EagerRung()], Warmup(batches, lambda dtype: GATE), Precisions((DType.FLOAT32,)),
+                        Site(thread_counts=(1, 2)))
     assert result.active == "compile" and result.threads == (2,)
 
 
 def test_eager_runs_at_any_thread_count_and_ipex_at_the_one_it_was_built_at(net, batches):
-    result = run_ladder(net, (DType.FLOAT32,), [EagerRung()], batches, lambda dtype: GATE, thread_counts=(1, 2))
+    result = run_ladder(net, [EagerRung()], Warmup(batches, lambda dtype: GATE), Precisions((DType.FLOAT32,)),
+                        Site(thread_counts=(1, 2)))
     assert result.active == "eager" and result.threads is None
     assert EagerRung().follows_threads() and not IpexRung(torch.device("cpu")).follows_threads()
     assert not CompileRung("compile", CompileSpec(enabled=True)).follows_threads()

@@ -61,7 +61,7 @@ def test_a_row_padded_on_the_left_is_never_trimmed():
 def sleep_like_a_model(x):
     """A forward that costs what the model says: 10 ms a call and 0.25 ms a token (14-74 ms at the shapes below). Long
     enough that a busy VM's late wake-ups stay well inside the fit's bound: at 2 ms a call and 0.05 ms a token one
-    overshot by 36 % beside the ipex stage (CPU A, stop 67)."""
+    overshot by 36 % beside the ipex stage."""
     time.sleep((10 + 0.25 * x.shape[0] * x.shape[1]) / 1000)
 
 
@@ -108,9 +108,9 @@ def test_a_forward_that_fails_while_timed_gives_no_model_and_no_failed_load():
 def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
     """A quiet worker's model is kept beside the compile cache; the next worker of the same forward reads it (a busy
     one could not time its own), and another forward (other options, another machine) times its own."""
-    from handlers.ladder.decisions import Memory
+    from handlers.ladder.decisions import DecisionStore
 
-    kept = Memory(tmp_path)
+    kept = DecisionStore(tmp_path)
     calls = []
 
     def forward(x):
@@ -134,9 +134,9 @@ def test_a_cost_model_is_kept_for_the_next_worker_of_the_same_forward(tmp_path):
 def test_a_worker_without_a_model_looks_again_while_it_serves_for_one_a_sibling_kept(tmp_path):
     """A worker that timed a busy machine at load got no model; a sibling of the same forward that loaded later, on
     a quiet moment, kept one. The first finds it at its next look (every ``every_s``), never times live."""
-    from handlers.ladder.decisions import Memory
+    from handlers.ladder.decisions import DecisionStore
 
-    kept, now = Memory(tmp_path), [100.0]
+    kept, now = DecisionStore(tmp_path), [100.0]
     batches = [{"x": torch.zeros(rows, seq)} for rows, seq in [(1, 16), (1, 64), (4, 16), (4, 64)]]
     key = kept_key(batches, ("compile", "int8"), "weights")
     look = LookAgain(kept, key, every_s=30.0, clock=lambda: now[0])
@@ -173,24 +173,24 @@ def test_the_engine_fits_its_cost_model_at_load_and_describes_it(minilm_dir, mon
         "shapes": {"policy": "dynamic", "batch_sizes": [1, 4], "seq_lengths": [16, 64, 128]}}})
     engine.load()
     # Fitted from the 6 warmup shapes; if not, describe says why (a busy machine, times that fit no model).
-    assert engine.length_cost is not None, engine.describe()["optimization"]["length_groups"]
-    assert engine.length_cost.token_ms > 0 and engine.length_cost.worst_error <= MAX_FIT_ERROR
-    assert engine.describe()["optimization"]["length_groups"] == engine.length_cost.describe()
+    assert engine.lengths.cost is not None, engine.describe()["optimization"]["length_groups"]
+    assert engine.lengths.cost.token_ms > 0 and engine.lengths.cost.worst_error <= MAX_FIT_ERROR
+    assert engine.describe()["optimization"]["length_groups"] == engine.lengths.cost.describe()
 
 
 def test_the_engine_answers_grouped_rows_as_one_padded_batch_would_in_order(grouping_engine):
     engine = grouping_engine
     texts = ["short", "a much longer text about serving embedding models with compile on", "mid sized text here",
              "tiny", "another rather long sentence that needs many more tokens than the others do", "x y"]
-    fitted = engine.length_cost
+    fitted = engine.lengths.cost
     try:
-        engine.length_cost = None
+        engine.lengths.cost = None
         [whole] = engine.predict([{"inputs": texts}])
         padded = engine.last_batch.run_tokens
-        engine.length_cost = CostModel(0.0, 1.0, 0.0)  # no cost per call: every length its own group
+        engine.lengths.cost = CostModel(0.0, 1.0, 0.0)  # no cost per call: every length its own group
         [grouped] = engine.predict([{"inputs": texts}])
     finally:
-        engine.length_cost = fitted
+        engine.lengths.cost = fitted
     torch.testing.assert_close(torch.tensor(grouped["embeddings"]), torch.tensor(whole["embeddings"]), atol=1e-5,
                                rtol=1e-4)
     assert engine.last_batch.run_tokens < padded
@@ -201,27 +201,27 @@ def test_the_engine_takes_up_a_model_a_sibling_kept_since_load(grouping_engine, 
     """The engine's side of ``LookAgain``: a worker serving without a model groups rows once a sibling's appears."""
     import dataclasses
 
-    from handlers.ladder.decisions import Memory
+    from handlers.ladder.decisions import DecisionStore
 
-    engine, kept = grouping_engine, Memory(tmp_path)
-    fitted = engine.length_cost
+    engine, kept = grouping_engine, DecisionStore(tmp_path)
+    fitted = engine.lengths.cost
     texts = ["short", "a much longer text about serving embedding models with compile on", "tiny", "x y"]
     try:
-        engine.length_cost, engine._look_again = None, LookAgain(kept, "a sibling's key", every_s=0.0)
-        engine._no_length_cost = NoCostModel("the machine stayed busy while timing it")
+        engine.lengths.cost, engine.lengths.look_again = None, LookAgain(kept, "a sibling's key", every_s=0.0)
+        engine.lengths.no_cost = NoCostModel("the machine stayed busy while timing it")
         engine.predict([{"inputs": texts}])
         padded = engine.last_batch.run_tokens
-        assert engine.length_cost is None
+        assert engine.lengths.cost is None
         assert engine.describe()["optimization"]["length_groups"] == {
             "none": "the machine stayed busy while timing it", "looks_again_every_s": 0.0}
         everyone_alone = CostModel(0.0, 1.0, 0.0)
         kept.keep("a sibling's key", dataclasses.asdict(everyone_alone))
         engine.predict([{"inputs": texts}])
-        assert engine.length_cost == everyone_alone and engine._look_again is None  # found: no more looks
+        assert engine.lengths.cost == everyone_alone and engine.lengths.look_again is None  # found: no more looks
         assert engine.describe()["optimization"]["length_groups"] == everyone_alone.describe()
         assert engine.last_batch.run_tokens < padded
     finally:
-        engine.length_cost, engine._look_again, engine._no_length_cost = fitted, None, None
+        engine.lengths.cost, engine.lengths.look_again, engine.lengths.no_cost = fitted, None, None
 
 
 def test_each_group_runs_in_fresh_tensors_with_the_strides_the_graph_was_traced_with():

@@ -1,18 +1,14 @@
-"""scripts/manage.py's answers to races in TorchServe. A race cannot be produced on demand (a worker changing state
-while the frontend edits its worker list, or dying between two calls), so a stand-in for the management API answers
-with the exact errors TorchServe 0.12 gave: the one place here where the real server is replaced."""
+"""handlers/serving/management.py's answers to races in TorchServe. A race cannot be produced on demand (a worker
+changing state while the frontend edits its worker list, or dying between two calls), so a stand-in for the management
+API answers with the exact errors TorchServe 0.12 gave: the one place here where the real server is replaced."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import manage  # noqa: E402
+from handlers.serving import management as manage
 
 RACE = (500, json.dumps({"code": 500, "type": "ConcurrentModificationException"}).encode())
 SCALED = (200, json.dumps({"status": "Processing worker updates..."}).encode())

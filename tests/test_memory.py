@@ -9,15 +9,15 @@ import logging
 import torch
 
 from handlers.config import CompileSpec, DType
-from handlers.ladder import race, run_ladder
-from handlers.ladder.decisions import Memory, batch_tensors, fingerprint
+from handlers.ladder import Precisions, Site, Warmup, race, run_ladder
+from handlers.ladder.decisions import DecisionStore, batch_tensors, fingerprint
 from handlers.rungs import CompileRung, EagerRung
 from handlers.tasks.embeddings import CosineGate
 from tests.test_ladder import SmallNet
 
 
 def test_a_record_is_read_back_and_a_missing_one_is_none(tmp_path):
-    memory = Memory(tmp_path / "kept")
+    memory = DecisionStore(tmp_path / "kept")
     assert memory.recall("abc") is None
     memory.keep("abc", {"ms": [1.5, 2.0], "tries": 1})
     assert memory.recall("abc") == {"ms": [1.5, 2.0], "tries": 1}
@@ -25,7 +25,7 @@ def test_a_record_is_read_back_and_a_missing_one_is_none(tmp_path):
 
 
 def test_a_record_that_cannot_be_read_or_kept_never_fails_a_load(tmp_path, caplog):
-    memory = Memory(tmp_path)
+    memory = DecisionStore(tmp_path)
     (tmp_path / "torn.json").write_text('{"ms": [1.5,', encoding="utf-8")
     (tmp_path / "list.json").write_text("[1, 2]", encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="handlers.ladder.decisions"):
@@ -33,7 +33,8 @@ def test_a_record_that_cannot_be_read_or_kept_never_fails_a_load(tmp_path, caplo
     assert "the remembered record torn cannot be read" in caplog.text
     blocked = tmp_path / "a-file"
     blocked.write_text("", encoding="utf-8")
-    Memory(blocked / "kept").keep("abc", {"tries": 1})  # a file where the directory should be: warned, not raised
+    # a file where the directory should be: warned, not raised
+    DecisionStore(blocked / "kept").keep("abc", {"tries": 1})
     assert "a measurement cannot be kept in" in caplog.text
 
 
@@ -53,7 +54,7 @@ def test_the_key_changes_with_every_tensor_byte_shape_and_what_is_said():
 
 def test_a_race_record_this_version_cannot_read_is_raced_again(tmp_path, monkeypatch, caplog):
     """A record another version kept (fields renamed) is not a decision: the worker races and keeps its own."""
-    memory = Memory(tmp_path)
+    memory = DecisionStore(tmp_path)
     batches = [{"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}]
     raced = []
 
@@ -64,10 +65,11 @@ def test_a_race_record_this_version_cannot_read_is_raced_again(tmp_path, monkeyp
     monkeypatch.setattr(race, "run_race", run_race)
 
     def load():
-        return run_ladder(SmallNet().eval(), (DType.BFLOAT16, DType.FLOAT32),
-                          [CompileRung("compile", CompileSpec(enabled=True, backend="eager")), EagerRung()], batches,
-                          lambda dtype: CosineGate(0.99), half_must_pay=(DType.BFLOAT16,), memory=memory,
-                          machine="here")
+        return run_ladder(SmallNet().eval(),
+                          [CompileRung("compile", CompileSpec(enabled=True, backend="eager")), EagerRung()],
+                          Warmup(batches, lambda dtype: CosineGate(0.99)),
+                          Precisions((DType.BFLOAT16, DType.FLOAT32), must_beat_fp32=(DType.BFLOAT16,)),
+                          Site(decisions=memory, machine="here"))
 
     first = load()
     assert first.dtype is DType.FLOAT32 and len(raced) == 1

@@ -12,7 +12,7 @@ import torch
 
 from handlers.config import CompileSpec, DType, ModuleGuards, load_config
 from handlers.errors import ConfigError
-from handlers.ladder import run_ladder
+from handlers.ladder import Precisions, Warmup, run_ladder
 from handlers.rungs import CompileRung, EagerRung, module_guards
 from handlers.rungs.dynamo_counts import dynamo_counts
 from handlers.tasks.embeddings import CosineGate
@@ -66,8 +66,8 @@ def ladder(model, backend="inductor", freezing=True, optional=True):
     """The ladder over a compile rung and eager, fp32, from a clean dynamo."""
     torch._dynamo.reset()
     spec = CompileSpec(enabled=True, backend=backend, dynamic=False, freezing=freezing)
-    return run_ladder(model, (DType.FLOAT32,), [CompileRung("compile", spec), EagerRung()], batches(),
-                      lambda dtype: GATE, module_guards_optional=optional)
+    return run_ladder(model, [CompileRung("compile", spec), EagerRung()], Warmup(batches(), lambda dtype: GATE),
+                      Precisions((DType.FLOAT32,)), module_guards_optional=optional)
 
 
 def test_the_state_is_the_same_after_forwards_that_change_nothing_and_what_set_up_once():

@@ -77,8 +77,8 @@ def test_a_worker_alone_on_its_cores_keeps_its_openmp_threads_spinning(tiny_bert
     engine = make_engine(tiny_bert_dir, {**EAGER_ONLY, "minWorkers": 2}, name="alone")
     engine.load()
     assert engine.predict([{"text": LONG_TEXT}])[0]["embedding"]  # after whichever worker's came last (a test's)
-    paused = engine.openmp_pauses
+    paused = engine.cpu.openmp_pauses
     for text in (f"again {LONG_TEXT}", f"and again {LONG_TEXT}"):
         assert engine.predict([{"text": text}])[0]["embedding"]
-    assert engine.openmp_pauses == paused
+    assert engine.cpu.openmp_pauses == paused
     assert f"({paused} so far)" in engine.describe()["optimization"]["threads"]["openmp_after_forward"]

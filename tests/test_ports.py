@@ -1,21 +1,18 @@
 """The ports the benchmarks' servers listen on stay clear of the kernel's ephemeral range, where any client socket may
 be given one: a benchmark at +30000 once found 38082 held by a socket of the run before, and TorchServe failed to
-bind it. scripts/tsctl.py's shifted_config warns when a shift reaches that range."""
+bind it. handlers/serving/server.py's shifted_config warns when a shift reaches that range."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import bench_e2e  # noqa: E402
-import bench_e2e_tasks  # noqa: E402
-import bench_overhead  # noqa: E402
-import bench_restart  # noqa: E402
-import tsctl  # noqa: E402
+from benchmarks import e2e as bench_e2e
+from benchmarks import e2e_tasks as bench_e2e_tasks
+from benchmarks import overhead as bench_overhead
+from benchmarks import restart as bench_restart
+from handlers.serving import server as tsctl
 
 LINUX_EPHEMERAL_START = 32768  # the kernel's default, where /proc does not say otherwise
 

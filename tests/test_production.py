@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,15 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-
-import hostile_inputs  # noqa: E402
-import soak  # noqa: E402
-import tsctl  # noqa: E402
-
-from tests.conftest import port_shift  # noqa: E402
-from tests.test_torchserve import (  # noqa: E402
+from benchmarks import hostile_inputs, soak
+from handlers.serving import server as tsctl
+from tests.conftest import port_shift
+from tests.test_torchserve import (
     TEXTS,
     assert_close_embeddings,
     describe,
@@ -37,6 +31,8 @@ from tests.test_torchserve import (  # noqa: E402
     predict,
     stop_and_check_no_key_leaked,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.integration, pytest.mark.default_profile]
 
@@ -68,7 +64,7 @@ def test_the_frontend_jvm_runs_c1_only_and_the_serial_collector_in_every_shipped
     """C2's compiler threads and G1's collector threads take cores from the worker's OpenMP threads
     (docs/performance.md: the frontend's JIT, its garbage collector): the three shipped server configs say C1 only and
     the serial collector, and the running frontend's JVM got both."""
-    shipped = [PRODUCTION, tsctl.DEFAULT_CONFIG, REPO / "deploy" / "k8s" / "shared" / "config.properties"]
+    shipped = [PRODUCTION, REPO / tsctl.DEFAULT_CONFIG, REPO / "deploy" / "k8s" / "shared" / "config.properties"]
     vmargs = {str(path.relative_to(REPO)): tsctl.read_properties(path).get("vmargs") for path in shipped}
     assert set(vmargs.values()) == {"-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}, vmargs
     pid = int((production.run_dir / "tmp" / ".model_server.pid").read_text())
@@ -139,7 +135,7 @@ def test_hostile_inputs_under_the_production_request_limit(production):
 
 
 def test_a_short_soak_serves_every_good_request_and_does_not_grow(production, model_store):
-    """scripts/soak.py, shortened: 640 requests at concurrency 32, mixed lengths, 1 in 20 bad."""
+    """benchmarks/soak.py, shortened: 640 requests at concurrency 32, mixed lengths, 1 in 20 bad."""
     report = soak.soak(production, "minilm", model_store / "minilm.mar", requests=640, concurrency=32, warmup=64)
     report.pop("samples")
     print(json.dumps(report))
@@ -239,7 +235,8 @@ def test_a_worker_killed_during_its_warmup_comes_back_ready(production, referenc
 def test_grpc_refuses_a_missing_or_wrong_key_and_answers_with_the_right_one(production):
     """The token goes as gRPC metadata (``authorization: Bearer ...``); stubs come from TorchServe's own protos."""
     import grpc
-    import grpc_client
+
+    from benchmarks import grpc_client
 
     config = production.run_dir.parent / PRODUCTION.name
     body = json.dumps({"text": TEXTS[0]}).encode()

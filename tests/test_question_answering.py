@@ -121,8 +121,8 @@ def test_the_windows_come_from_the_rust_backend_and_transformers_path_answers_th
     """The serving path windows each pair through the tokenizer's backend directly (``WindowEncoder``); a tokenizer
     it cannot copy goes through transformers' call, with the same answers."""
     direct, through_transformers = (eager_engine(task_model_dirs["minilm-qa"]) for _ in range(2))
-    assert direct._task._window_encoder is not None
-    through_transformers._task._window_encoder = None
+    assert direct.task._window_encoder is not None
+    through_transformers.task._window_encoder = None
     batch = [CALLS[0], CALLS[4], {"inputs": [CALLS[2], CALLS[3]], "top_k": 2}, CALLS[6]]
     for got, want in zip(direct.predict(batch), through_transformers.predict(batch), strict=True):
         for ours, theirs in zip(got, want, strict=True) if isinstance(got, list) else [(got, want)]:

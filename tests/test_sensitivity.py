@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from handlers.config import CompileSpec, DType
-from handlers.ladder import AttemptStatus, run_ladder
-from handlers.ladder.decisions import Memory
+from handlers.ladder import AttemptStatus, Precisions, Site, Warmup, run_ladder
+from handlers.ladder.decisions import DecisionStore
 from handlers.precision import quantize, sensitivity
 from handlers.rungs import CompileRung, EagerRung
 from handlers.tasks.embeddings import CosineGate
@@ -209,8 +209,9 @@ def test_a_scoring_that_feeds_answers_back_is_run_whole(monkeypatch):
 def ladder(model, memory=None):
     """int8, then fp32: a compile rung (dynamo's eager backend: the gate and the order are tested here) and eager."""
     rungs = [CompileRung("compile", CompileSpec(enabled=True, backend="eager")), EagerRung()]
-    return run_ladder(model, (DType.INT8, DType.FLOAT32), rungs, batches(seed=1),
-                      lambda dtype: CosineGate(0.99 if dtype is DType.INT8 else 0.9999), memory=memory)
+    return run_ladder(model, rungs,
+                      Warmup(batches(seed=1), lambda dtype: CosineGate(0.99 if dtype is DType.INT8 else 0.9999)),
+                      Precisions((DType.INT8, DType.FLOAT32)), Site(decisions=memory))
 
 
 def int8_compile_passed(result):
@@ -249,7 +250,7 @@ def test_a_second_load_reads_the_measurement_an_earlier_one_kept(tmp_path, monke
     """A warm worker does not measure again: the choice is kept beside the compile cache, keyed by the weights and
     batches, and read back; the int8 model built from it is judged by the gate as always. Other weights, another key:
     measured again."""
-    memory = Memory(tmp_path / "int8")
+    memory = DecisionStore(tmp_path / "int8")
     first = ladder(Branches().eval(), memory=memory)
     assert len(list((tmp_path / "int8").glob("*.json"))) == 2  # the measurement, and int8's race against fp32
     measured = first.attempts[0].reason

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from handlers.config import CompileSpec, DType
-from handlers.config.shapes import PolicyKind, ShapePolicy, pad_batch
+from handlers.config.shapes import PolicyKind, ShapePolicy
+from handlers.serving.batching import pad_batch
 from handlers.rungs import CompileRung, EagerRung
 
 

@@ -52,7 +52,7 @@ def ner(task_model_dirs):
 
 def test_every_answer_equals_the_pipeline(ner):
     engine, pipe = ner
-    assert engine._task._encoder is not None  # the serving path under test: the Rust backend (BatchEncoder)
+    assert engine.task._encoder is not None  # the serving path under test: the Rust backend (BatchEncoder)
     for text in TEXTS:
         (default,) = engine.predict([text])  # aggregation none, "O" ignored: the pipeline's defaults
         assert_same_entities(default, pipe(text))
@@ -74,11 +74,11 @@ def test_a_tokenizer_the_rust_path_cannot_take_gives_the_same_answers_through_tr
     engine, _ = ner
     bodies = [{"inputs": TEXTS[:3], "aggregation_strategy": "simple"}, TEXTS[1], {"text": TEXTS[0]}]
     through_rust = engine.predict(bodies)
-    encoder, engine._task._encoder = engine._task._encoder, None  # as BatchEncoder.of answers for such a tokenizer
+    encoder, engine.task._encoder = engine.task._encoder, None  # as BatchEncoder.of answers for such a tokenizer
     try:
         assert engine.predict(bodies) == through_rust
     finally:
-        engine._task._encoder = encoder
+        engine.task._encoder = encoder
 
 
 def test_offsets_point_into_the_text_as_sent(ner):
@@ -129,7 +129,7 @@ def test_a_cpu_worker_on_a_machine_with_a_gpu_keeps_its_model_on_the_cpu(task_mo
 
     monkeypatch.setattr(transformers.pipelines.base, "is_torch_cuda_available", lambda: True)
     engine = eager_engine(task_model_dirs["minilm-ner"])
-    assert engine._task._pipeline.device == torch.device("cpu")
+    assert engine.task._pipeline.device == torch.device("cpu")
     (entities,) = engine.predict([{"text": TEXTS[0], "ignore_labels": []}])
     assert entities and all(entity["entity"] for entity in entities)
 
@@ -151,7 +151,7 @@ def test_texts_padded_on_the_left_keep_their_entities(task_model_dirs, tmp_path)
     placed where the left-padded batch holds its tokens, so this checks where answers are read, not the model
     (whose absolute positions shift under left padding: BERT's answers are the model's, padded as configured)."""
     engine = eager_engine(left_padded_copy(task_model_dirs["minilm-ner"], tmp_path))
-    task = engine._task
+    task = engine.task
     requests = [task.parse({"text": text, "aggregation_strategy": strategy})
                 for text in (TEXTS[1], TEXTS[0]) for strategy in ("none", "simple")]
     batch = task.preprocess(requests)

@@ -18,19 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from handlers.config import DType
+from handlers.cpu import features
+from handlers.precision import choice, quantize
+from handlers.rungs.ipex import probe_ipex
+from handlers.serving import server as tsctl
+from handlers.serving import server_timing
+from tests.conftest import SHARED_STORE_ENV, port_shift
+from tests.test_int8 import assert_raced
+from tests.test_precision import auto_served
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-
-import tsctl  # noqa: E402
-
-from handlers.config import DType  # noqa: E402
-from handlers.cpu import features  # noqa: E402
-from handlers.precision import choice, quantize  # noqa: E402
-from handlers.rungs.ipex import probe_ipex  # noqa: E402
-from handlers.serving import server_timing  # noqa: E402
-from tests.conftest import SHARED_STORE_ENV, port_shift  # noqa: E402
-from tests.test_int8 import assert_raced  # noqa: E402
-from tests.test_precision import auto_served  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +91,7 @@ def assert_close_embeddings(got, want, min_cosine=0.999):
 
 
 def test_package_refuses_a_name_that_torchserve_routes_to_its_token_api(tmp_path, minilm_dir):
-    import package
+    from handlers.serving import archive as package
 
     with pytest.raises(SystemExit, match="routes every URL containing '/token' to its token API"):
         package.build("token-classification", minilm_dir, REPO / "model_configs" / "minilm-embeddings.yaml", tmp_path)
@@ -105,15 +103,15 @@ def test_package_stores_the_weights_unless_asked_to_deflate_them(tmp_path, tiny_
     ``--archive-format default`` deflates, as torch-model-archiver does by default."""
     import zipfile
 
-    import package
+    from handlers.serving import archive as package
 
     config = REPO / "model_configs" / "minilm-embeddings.yaml"
     for archive_format, compression in (("zip-store", zipfile.ZIP_STORED), ("default", zipfile.ZIP_DEFLATED)):
-        command = [sys.executable, str(REPO / "scripts" / "package.py"), "--name", "tiny", "--model-dir",
+        command = [sys.executable, "-m", "handlers", "package", "--name", "tiny", "--model-dir",
                    str(tiny_bert_dir), "--config", str(config), "--export-path", str(tmp_path / archive_format)]
         if archive_format != package.DEFAULT_FORMAT:
             command += ["--archive-format", archive_format]
-        subprocess.run(command, check=True, capture_output=True, timeout=300)
+        subprocess.run(command, check=True, capture_output=True, timeout=300, cwd=REPO)
         with zipfile.ZipFile(tmp_path / archive_format / "tiny.mar") as mar:
             weights = mar.getinfo("model/model.safetensors")
             assert weights.compress_type == compression, (archive_format, weights)
@@ -124,7 +122,7 @@ def test_package_stores_the_weights_unless_asked_to_deflate_them(tmp_path, tiny_
 def test_package_refuses_a_model_with_only_pickled_weights(tmp_path, tiny_bert_dir):
     import shutil
 
-    import package
+    from handlers.serving import archive as package
 
     model = tmp_path / "pickled"
     shutil.copytree(tiny_bert_dir, model)
@@ -138,7 +136,7 @@ def test_package_refuses_a_model_with_only_pickled_weights(tmp_path, tiny_bert_d
 def test_package_refuses_an_embeddings_model_with_a_module_the_worker_would_not_compute(tmp_path, tiny_bert_dir):
     import shutil
 
-    import package
+    from handlers.serving import archive as package
 
     model = shutil.copytree(tiny_bert_dir, tmp_path / "dense")
     (model / "modules.json").write_text(json.dumps([
@@ -152,7 +150,7 @@ def test_package_refuses_an_embeddings_model_with_a_module_the_worker_would_not_
 
 
 def test_package_refuses_a_model_yaml_the_worker_would_reject(tmp_path, minilm_dir):
-    import package
+    from handlers.serving import archive as package
 
     config = tmp_path / "typo.yaml"
     config.write_text("pt2:\n  compile:\n    enable: true\n    mdoe: reduce-overhead\n")
@@ -347,7 +345,7 @@ def test_varied_shapes_are_served_compiled_without_compiling_after_ready(server,
 
 
 @pytest.mark.default_profile  # the shape policy and the cache fallback are ours; both profiles prove them in-process
-# (in the ipex stage it made that stage the last to end on CPU B: docs/performance.md, stop 59)
+# (in the ipex stage it made that stage the last to end on an AVX2-only EPYC)
 def test_static_buckets_and_an_unusable_compile_cache(server, reference):
     status, body = server.management("POST", "/models?url=minilm-buckets.mar&initial_workers=1&synchronous=true",
                                      timeout=900)
@@ -363,10 +361,10 @@ def test_static_buckets_and_an_unusable_compile_cache(server, reference):
 
 
 def manage(server, *args: str, config: Path | None = None) -> str:
-    """scripts/manage.py against this server (started with ``config``, else this module's), as a user runs it."""
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "manage.py"), "--config",
+    """``python -m handlers`` against this server (started with ``config``, else this module's), as a user runs it."""
+    done = subprocess.run([sys.executable, "-m", "handlers", "--config",
                            str(config or shifted_config_path(server)), "--run-dir", str(server.run_dir), *args],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -389,7 +387,7 @@ def trickle(server, client: int, phase: list[str], stop: threading.Event, result
 @pytest.mark.default_profile  # TorchServe's scaling and the core share: no torch-version dependence (under torch 2.8
 # its new workers load twice as long: 142 s against 63-73, so it stays in the default stage)
 def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_compile_cache(server, reference):
-    """scripts/manage.py scales minilm to 3 workers and back while clients keep sending. Scaling up fails no
+    """python -m handlers scale scales minilm to 3 workers and back while clients keep sending. Scaling up fails no
     request; each new worker proves its rung (the model log's READY line per worker) and loads its graphs from the
     compile cache (hits, no misses). Scaling down: TorchServe 0.12 disconnects a removed worker at once, even
     mid-batch (pytorch/serve#1101), so a request in flight there may get its 500 "Worker died.", or no answer at
@@ -835,10 +833,10 @@ ARCHIVES = {"minilm": "min_cosine", "minilm-sentiment": "score_agreement", "mini
 @pytest.mark.default_profile
 @pytest.mark.parametrize("model", ARCHIVES)
 def test_every_kind_of_bad_request_fails_alone_and_the_worker_stays_up(server, model):
-    """scripts/hostile_inputs.py's cases (>= 15 kinds, plus the task's own), sent at once with good requests so
+    """benchmarks/hostile_inputs.py's cases (>= 15 kinds, plus the task's own), sent at once with good requests so
     TorchServe batches them together: each bad one gets its 4xx and a JSON error naming the problem, each good
     one the answer it gets alone, the worker stays the same process, and the next good request is still right."""
-    import hostile_inputs
+    from benchmarks import hostile_inputs
 
     if model != "minilm":
         registered(server, model, metric=ARCHIVES[model])
@@ -851,14 +849,14 @@ def test_every_kind_of_bad_request_fails_alone_and_the_worker_stays_up(server, m
 
 
 def grpc_client_for(server):
-    import grpc_client
+    from benchmarks import grpc_client
 
     return grpc_client.Client.for_server(shifted_config_path(server), server.run_dir)
 
 
 @pytest.mark.default_profile
 def test_grpc_predictions_equal_rest_for_every_body_shape(server):
-    from hostile_inputs import close
+    from benchmarks.hostile_inputs import close
 
     bodies = [TEXTS[0].encode(), json.dumps({"text": TEXTS[1]}).encode(), json.dumps({"inputs": TEXTS[:3]}).encode(),
               json.dumps(TEXTS[2:4]).encode(), json.dumps({"input": TEXTS[:2], "model": "minilm"}).encode()]

@@ -19,7 +19,7 @@ class CompileSection(Section):
     """Compile at all. Left out, compile stays off, with a warning (TorchServe itself raises KeyError there)."""
     backend: StrictStr = Field("inductor", examples=["inductor", "eager", "aot_eager", "ipex", "my_module:my_backend"])
     """A name in `torch._dynamo.list_backends()`, `ipex` (the ipex profile), or `module:function` to import your own,
-    e.g. from a file packed at the archive root with `scripts/package.py --extra-file my_module.py`."""
+    e.g. from a file packed at the archive root with `python -m handlers package --extra-file my_module.py`."""
     mode: StrictStr | None = Field(None, examples=["default", "reduce-overhead", "max-autotune",
                                                    "max-autotune-no-cudagraphs"])
     """An inductor mode (`torch._inductor.list_mode_options()`); inductor only, and not together with `options`."""

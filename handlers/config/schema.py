@@ -61,8 +61,7 @@ class ModelYaml(Section):
     asyncCommunication: StrictBool = Field(False, json_schema_extra={"const": False})  # editors flag true
     """TorchServe's asynchronous worker, which awaits each request's answer from the handler as it comes. Not
     supported: pt2-handlers answers synchronously, in the batches TorchServe forms (`batchSize`, `maxBatchDelay`).
-    Measured as a worker batching itself, it served lone requests at 50-77 % of the shipped rate (docs/performance.md,
-    stop 73)."""
+    Tried as a worker batching itself, it served lone requests at 50-77 % of the shipped rate (docs/performance.md)."""
 
     @field_validator("asyncCommunication")
     @classmethod

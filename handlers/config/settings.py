@@ -320,10 +320,9 @@ class SettingsSection(Section):
     """Thresholds a rung must meet against fp32 eager on the warmup batches to be accepted; each task reads its own
     keys (one per precision family), the others are unknown keys."""
     freezing: StrictBool = DEFAULTS.freezing
-    """Inductor freezing (weights as constants, prepacked). Measured on CPU: bf16 forwards 16-30 % faster (fp32
-    14-45 %), but a warm start takes longer: the frozen graph comes from the FX graph cache, yet AOT autograd's cache
-    skips it, so each worker traces and folds its weights again (MiniLM on CPU A: a second worker 11.5 s against
-    6.6). Off unless the model YAML asks; the shipped embeddings YAMLs ask."""
+    """Inductor freezing (weights as constants, prepacked): on CPU, bf16 forwards 16-30 % faster (fp32 14-45 %), but a
+    warm start takes longer, as each worker traces and folds its weights again (docs/performance.md). Off unless the
+    model YAML asks; the shipped embeddings YAMLs ask."""
     attention: one_of(Attention) = DEFAULTS.attention
     """The attention of the graphs the compile rungs trace. `auto`: on a CPU with AVX-512, non-causal attention
     (embeddings, classification, token classification, question answering) runs pt2-handlers' fused kernel, built

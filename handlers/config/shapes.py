@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-
-import torch
 
 ONEDNN_SEQ_MULTIPLE = 16  # measured: fewer primitives than 8 would leave, and AMX tiles like 16 rows
 
@@ -110,67 +108,3 @@ def _bucket(buckets: Sequence[int], size: int) -> int:
     """The smallest bucket >= size; a size beyond the largest stays as it is (an unseen shape)."""
     index = bisect.bisect_left(buckets, size)
     return buckets[index] if index < len(buckets) else size
-
-
-Batch = Mapping[str, torch.Tensor]
-
-
-def split_rows(batch: Batch, size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Consecutive chunks of at most ``size`` rows."""
-    rows = next(iter(batch.values())).shape[0]
-    for start in range(0, rows, size):
-        yield {name: tensor[start : start + size] for name, tensor in batch.items()}
-
-
-def pad_batch(batch: Batch, shape: tuple[int, int], pad_values: Mapping[str, int]) -> dict[str, torch.Tensor]:
-    """Pad 2-D token tensors to ``shape``: extra positions get the input's pad value (masked out), extra
-    rows repeat the first row, so the padding rows compute on real numbers (a fully masked row can give
-    NaN in attention) and are sliced away afterwards."""
-    rows, seq = shape
-    padded = {}
-    for name, tensor in batch.items():
-        extra_seq = seq - tensor.shape[1]
-        if extra_seq > 0:
-            fill = tensor.new_full((tensor.shape[0], extra_seq), pad_values.get(name, 0))
-            tensor = torch.cat([tensor, fill], dim=1)
-        extra_rows = rows - tensor.shape[0]
-        if extra_rows > 0:
-            tensor = torch.cat([tensor, tensor[:1].expand(extra_rows, -1)], dim=0)
-        padded[name] = tensor
-    return padded
-
-
-def take_rows(output: Any, rows: int) -> Any:
-    """The first ``rows`` rows of every tensor in a (nested) output."""
-    if isinstance(output, torch.Tensor):
-        return output[:rows]
-    if isinstance(output, Mapping):
-        return {key: take_rows(value, rows) for key, value in output.items()}
-    if isinstance(output, (list, tuple)):
-        return type(output)(take_rows(value, rows) for value in output)
-    return output
-
-
-def gather_rows(output: Any, index: torch.Tensor) -> Any:
-    """The rows ``index`` names, in that order, of every tensor in a (nested) output."""
-    if isinstance(output, torch.Tensor):
-        return output.index_select(0, index.to(output.device))
-    if isinstance(output, Mapping):
-        return {key: gather_rows(value, index) for key, value in output.items()}
-    if isinstance(output, (list, tuple)):
-        return type(output)(gather_rows(value, index) for value in output)
-    return output
-
-
-def concat_rows(outputs: Sequence[Any]) -> Any:
-    """Join chunk outputs of the same structure along the batch dimension."""
-    first = outputs[0]
-    if len(outputs) == 1:
-        return first
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(outputs), dim=0)
-    if isinstance(first, Mapping):
-        return {key: concat_rows([out[key] for out in outputs]) for key in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(concat_rows(list(parts)) for parts in zip(*outputs, strict=True))
-    return first

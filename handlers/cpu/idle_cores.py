@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-# OpenMP's threads spin for a few ms after a forward; past that they sleep (measured on CPU A: after 4 ms two threads
-# were still the faster, after 20 ms one thread matched them at the median and beat them at p90).
+# OpenMP's threads spin for a few ms after a forward; past that they sleep (measured on a Zen 4 EPYC: after 4 ms two
+# threads were still the faster, after 20 ms one thread matched them at the median and beat them at p90).
 IDLE_S = 0.02
 # One short text is 10-30 tokens; at 1 x 128 after idleness one thread still won for int8 (12.8 against 18.5 ms)
 # but would lose back to back by more (11.3 against 6.7): the rule keeps to what costs little on any machine.

@@ -3,20 +3,17 @@
 After a parallel region libgomp's threads spin for about 3 ms before they sleep (``GOMP_SPINCOUNT``, read once when
 the process starts). A worker alone on its cores keeps that spin: it is what makes its next forward fast. Beside
 other workers that take requests in turn it is the wrong way round: the next forward is usually a sibling's (TorchServe
-hands lone requests to a model's workers in turn), and the spinning thread takes a core from it. Measured on CPU C (two
-int8 workers, lone short requests; docs/performance.md: OpenMP's pause): the worker's forward ran 2.65 ms over the
-model alone, against 1.06 ms with one worker; ending the threads after each forward took 1.5 ms off the client's p50
-and 8.7 ms off its p99. So the engine pauses after a forward that followed another worker's on the same cores
+hands lone requests to a model's workers in turn), and the spinning thread takes a core from it: on an Intel Xeon with
+AMX, ending the threads after each forward took 1.5 ms off two int8 workers' lone requests at p50 and 8.7 ms at p99
+(docs/performance.md). So the engine pauses after a forward that followed another worker's on the same cores
 (``handlers.cpu.core_share`` tells it), whichever way the workers came: a YAML's ``minWorkers``, the management API's
 scale-up, another model's workers.
 
-Where starting the threads again costs more than their spin, the pause does not pay. On CPU E (a Zen 5 EPYC under
-KVM, stop 71) the first parallel region after a pause took 1-13 ms longer than after the threads had spun and slept
-(`docs/performance.md`: the restart's cost), and two workers that paused answered one lone request in ten or more
-after 20-30 ms, against 14-16 spinning. So at load (``measure``) a worker times a small parallel region on its
-threads after a pause and after its threads were left alone, and pauses only where the restart costs less than
-``RESTART_PAYS_MS`` at the 90th percentile (the mean wandered 1.9-5.2 ms between five measurements here, the 90th
-percentile 8.95-9.30; on CPU A, a Zen 4 EPYC, 4.7-12.8 at stop 72); describe says which, with the cost.
+Where starting the threads again costs more than their spin, the pause does not pay: on AMD EPYC VMs the first
+parallel region after a pause took 1-13 ms longer, and paused workers' lone requests had a longer tail. So at load
+(``measure``) a worker times a small parallel region on its threads after a pause and after its threads were left
+alone, and pauses only where the restart costs less than ``RESTART_PAYS_MS`` at the 90th percentile (the mean
+wanders; docs/performance.md); describe says which, with the cost.
 
 ``omp_pause_resource_all`` (OpenMP 5.0) ends them at once; the next parallel region starts new ones. Only libgomp is
 looked for: it is the OpenMP runtime of torch's Linux wheels. Where the process has none loaded, or it lacks the
@@ -35,7 +32,7 @@ import torch
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads end, the runtime's state stays
 _RUNTIME = "libgomp"
 # The pause pays where restarting the threads costs the next forward less than this at the 90th percentile: the spin it
-# ends cost a sibling's lone request ~1.5 ms on CPU C.
+# ends cost a sibling's lone request ~1.5 ms on an Intel Xeon with AMX.
 RESTART_PAYS_MS = 1.0
 _TRIALS = 16  # of each, alternated: ~0.3 s at load
 _GAP_S = 0.005  # between two regions: past the spin, as between a worker's forwards when workers take turns

@@ -16,21 +16,25 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from handlers.ladder.attempts import shape_of, summarize
+
 logger = logging.getLogger(__name__)
+
+Kept = TypeVar("Kept")  # a decision an earlier load kept, parsed
 
 # The directory under the compile cache (``pt2_handlers.compile_cache``) that holds the records.
 DIRECTORY = "pt2-handlers-memory"
 
 
 @dataclass(frozen=True)
-class Memory:
+class DecisionStore:
     """Records kept between loads, one JSON file per key in ``directory``."""
 
     directory: Path
@@ -73,3 +77,38 @@ def batch_tensors(batches: Iterable[Any]) -> Iterable[tuple[str, torch.Tensor]]:
     for batch in batches:
         if isinstance(batch, Mapping):
             yield from ((name, tensor) for name, tensor in batch.items() if isinstance(tensor, torch.Tensor))
+
+
+class Decisions:
+    """The decisions kept about one reference model: their keys hash its weights (once) and the batches they were
+    measured on; a record this version cannot parse is measured again."""
+
+    def __init__(self, store: DecisionStore | None, reference: torch.nn.Module, run: Callable[..., Any]):
+        self.store = store
+        self._reference = reference
+        self._run = getattr(run, "__qualname__", type(run).__name__)
+        self.weights_key: str | None = None  # hashed on the first key asked for
+
+    def key(self, *said: object, batches: Sequence[Any]) -> str:
+        """The key of a decision about this model on ``batches`` that depends on ``said`` too."""
+        if self.weights_key is None:
+            self.weights_key = fingerprint(tensors=self._reference.state_dict().items())
+        return fingerprint(self.weights_key, self._run, said, [shape_of(batch) for batch in batches],
+                           tensors=batch_tensors(batches))
+
+    def recall(self, key: str, parse: Callable[[Mapping[str, Any]], Kept]) -> Kept | None:
+        """What an earlier load kept under ``key``, parsed; None where nothing (readable) was kept."""
+        kept = self.store.recall(key) if self.store else None
+        if kept is None:
+            return None
+        try:
+            return parse(kept)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            logger.warning("the remembered record %s is not what this version keeps (%s); measuring again", key,
+                           summarize(exc))
+            return None
+
+    def keep(self, key: str, record: Mapping[str, Any]) -> None:
+        if self.store:
+            self.store.keep(key, record)
+

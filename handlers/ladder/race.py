@@ -3,6 +3,7 @@
 The ladder races a precision that trades answers for speed (int8) against the next precision that keeps them,
 on the same rung: whether int8 pays depends on the CPU (on AMX tiles bf16 matmuls can outrun int8's, whose
 per-token quantization and float layers cost more than its faster matmuls save) and on the shapes served.
+``KeptRaces`` keeps each race for the next load on the same machine (``handlers.ladder.decisions``).
 
 Pure torch; no TorchServe import.
 """
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 
+from handlers.ladder.decisions import Decisions
+
 # Timed calls per forward and batch. Each forward counts its fastest call: a busy machine (a neighbour compiling
 # at load) only ever adds time, so the fastest call is the one least disturbed; a median of 5 was tipped by it.
 ROUNDS = 5
@@ -26,10 +29,10 @@ MIN_GAIN = 0.05
 # processes used more than MIN_OTHER_SHARE of the cores it may run on is run again, after a pause, for up to
 # PATIENCE_S: a neighbour that keeps the cores busy throughout (another worker compiling at load) slows OpenMP
 # kernels by different amounts, more for the graph with more kernels, so the fastest call no longer tells.
-# Measured (CPU C): int8 263 ms against bf16 249 while the neighbours compiled, 101 against 113 for the same model
-# at a quieter moment. Both signals, because each alone misleads: this process's own threads wait for each other
-# (torch's OpenMP threads spin beside the main thread: 30 % of a quiet race), and on a big host other tenants' load
-# rarely takes the cores this process runs on.
+# On an Intel Xeon with AMX, int8 read 263 ms against bf16's 249 while the neighbours compiled, 101 against 113 for
+# the same model at a quieter moment. Both signals, because each alone misleads: this process's own threads wait for
+# each other (torch's OpenMP threads spin beside the main thread: 30 % of a quiet race), and on a big host other
+# tenants' load rarely takes the cores this process runs on.
 MAX_WAIT_SHARE = 0.05
 MIN_OTHER_SHARE = 0.10
 PATIENCE_S = 30.0
@@ -179,3 +182,35 @@ def _fastest(times: list[list[list[float]]]) -> list[float]:
 def pays(challenger_ms: float, rival_ms: float, min_gain: float = MIN_GAIN) -> bool:
     """Whether the challenger is at least ``min_gain`` faster than its rival."""
     return challenger_ms <= rival_ms * (1 - min_gain)
+
+
+class KeptRaces:
+    """Races of forwards on the warmup ``batches``, each kept for the next load of the model on this ``machine``: an
+    earlier race whose times were reliable is followed without racing; a busy machine's is raced again, kept over if
+    this race is reliable, followed if not (so workers loading side by side agree)."""
+
+    def __init__(self, decisions: Decisions, batches: Sequence[Any], run: Callable[[Any, Any], Any], machine: str):
+        self.decisions = decisions
+        self.batches = batches
+        self.run = run
+        self.machine = machine
+
+    def __call__(self, forwards: Sequence[Any], what: object, rounds: int = ROUNDS) -> Race:
+        """``run_race`` of ``forwards``, or the race an earlier load on this machine kept of ``what``."""
+        key = self._key(what, rounds)
+        earlier = self.decisions.recall(key, Race.from_record)
+        if earlier is not None and not earlier.disturbed:
+            return earlier
+        raced = run_race(forwards, self.batches, self.run, rounds=rounds)
+        if earlier is not None and raced.disturbed:
+            return earlier
+        self.decisions.keep(key, raced.record())
+        return raced
+
+    def earlier(self, what: object, rounds: int = ROUNDS) -> Race | None:
+        """The race of ``what`` an earlier load on this machine kept, if its times were reliable."""
+        earlier = self.decisions.recall(self._key(what, rounds), Race.from_record)
+        return None if earlier is None or earlier.disturbed else earlier
+
+    def _key(self, what: object, rounds: int) -> str:
+        return self.decisions.key("race", what, rounds, self.machine, batches=self.batches)

@@ -1,14 +1,13 @@
 """Linear layers that read the same input, quantized as one: an attention block's query, key and value projections.
 
-At a few rows a oneDNN int8 linear costs about 20 us of its own, whatever its width (CPU A, 16 rows of 384: three
-384-wide projections 90 us, one 1152-wide 44 us, one 4-wide 24; at 1024 rows the three and the one run level), so a
-lone short text pays that once per projection. ``merge`` rewrites the exported float graph before it is quantized:
-linear layers reading the same tensor, each of them to be quantized and each read only to be reshaped, become one
-whose weight and bias are theirs stacked, and each reader takes its slice of the output. Weights are quantized per
-output channel and the input once, so the answers are the same to the bit. A layer whose output goes on to an
-activation or a sum stays on its own: oneDNN fuses those into a layer alone (``handlers.precision.outlier_producers``'
-FFN input and its kept rows read one tensor, and would lose their fused GELU). Pure torch.fx; a graph without such
-layers is left as it is.
+At a few rows a oneDNN int8 linear costs about 20 us of its own, whatever its width (16 rows of 384: three 384-wide
+projections 90 us, one 1152-wide 44 us), so a lone short text pays that once per projection. ``merge`` rewrites the
+exported float graph before it is quantized: linear layers reading the same tensor, each of them to be quantized and
+each read only to be reshaped, become one whose weight and bias are theirs stacked, and each reader takes its slice of
+the output. Weights are quantized per output channel and the input once, so the answers are the same to the bit. A
+layer whose output goes on to an activation or a sum stays on its own: oneDNN fuses those into a layer alone
+(``handlers.precision.outlier_producers``' FFN input and its kept rows read one tensor, and would lose their fused
+GELU). Pure torch.fx; a graph without such layers is left as it is.
 """
 
 from __future__ import annotations

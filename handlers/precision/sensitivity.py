@@ -13,9 +13,9 @@ layers int8 quantizes anyway, as many as cost at most ``SHARE`` of the margin th
 (found by halving). Seconds for MiniLM, where building and judging a real int8 model takes tens. A layer measured alone
 changes nothing before it: where the model runs its layers as a list of blocks (a transformer's encoder layers), the
 blocks before the one holding it give back what they gave on the same batches with none of the candidates simulated
-(recorded once), so only the rest runs. The same answers to the bit, a third less time (MiniLM's int8 archive on CPU A:
-29-32 -> 21-24 s). The real int8 model is then judged by the gate as always; if it fails, the ladder builds int8 again
-with the rule's float layers (``handlers.ladder``).
+(recorded once), so only the rest runs: the same answers to the bit, in a third less time. The real int8 model is then
+judged by the gate as always; if it fails, the ladder builds int8 again with the rule's float layers
+(``handlers.ladder``).
 
 Pure torch + torchao (imported only when int8 is built).
 """

@@ -35,8 +35,7 @@ class DynamoCounts:
 
 def activity() -> tuple[int, int]:
     """(graphs compiled, frames dynamo was asked to compile) so far: moves whenever any count above may have, for a
-    check around every live batch (twice: 3.1 us p50 against 8.4 for ``dynamo_counts``, an AVX2 EPYC,
-    scripts/bench_wrappers.py)."""
+    check around every live batch (twice: 3.1 us p50 against 8.4 for ``dynamo_counts``)."""
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"], counters["frames"]["total"]

@@ -1,4 +1,4 @@
-"""Lazy probe for intel-extension-for-pytorch (IPEX).
+"""The ipex rung: intel-extension-for-pytorch's ``optimize`` (CPU only), and the lazy probe for IPEX.
 
 IPEX is imported only when a rung needs it, never at module import. Each IPEX release works with one torch
 minor version only (IPEX 2.8 with torch 2.8.*), and a wheel built for another torch fails in more ways than
@@ -14,6 +14,11 @@ import importlib
 import importlib.metadata
 import importlib.util
 from types import ModuleType
+
+import torch
+
+from handlers.config import DType, RungName
+from handlers.rungs.base import Forward, Rung
 
 IPEX_MODULE = "intel_extension_for_pytorch"
 IPEX_DISTRIBUTION = "intel-extension-for-pytorch"
@@ -55,3 +60,24 @@ def _installed_version() -> str | None:
 
 def _major_minor(version: str) -> tuple[str, ...]:
     return tuple(version.split("+")[0].split(".")[:2])
+
+
+class IpexRung(Rung):
+    """IPEX's ``optimize`` of the model, in bf16 or fp32; no compile."""
+
+    name = RungName.IPEX.value
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def unavailable_reason(self) -> str | None:
+        if self.device.type != "cpu":
+            return f"IPEX runs on CPU only; this worker uses {self.device}"
+        return probe_ipex()[1]
+
+    def apply(self, module: torch.nn.Module, dtype: DType) -> Forward:
+        ipex, reason = probe_ipex()
+        if ipex is None:
+            raise RuntimeError(reason)
+        # No channels_last: it suits convolutions, and these are transformers.
+        return ipex.optimize(module.eval(), dtype=None if dtype is DType.FLOAT32 else dtype.torch, inplace=False)

@@ -4,9 +4,8 @@
 Inductor keys a frozen graph's weights by their metadata alone and, on a hit, takes their values from the graph
 being compiled (torch's own scheme for frozen parameters). It still refuses any graph holding a oneDNN tensor
 (``Bypassing FX Graph Cache because 'mkldnn tensors unpickleable'``), a check written before frozen graphs could be
-cached: a frozen prepacked weight is never pickled, only keyed. Measured on MiniLM (CPU D, 2 cores, bench_restart):
-a second int8 worker's load 31.3 s -> 19.3 s, a frozen fp32 one's 15.8 s -> 12.2 s (docs/performance.md: A frozen
-graph from the compile cache).
+cached: a frozen prepacked weight is never pickled, only keyed. A second int8 worker of MiniLM then loads in 19 s
+instead of 31 (docs/performance.md).
 
 ``keyed_by_metadata()`` applies torch's scheme to frozen oneDNN tensors too (their size, dtype and device: the
 layout is opaque to the generated code, oneDNN reads it at run time), only while it is entered. Unfrozen oneDNN

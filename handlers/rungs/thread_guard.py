@@ -3,7 +3,7 @@
 Dynamo guards torch's global state as one guard: grad mode, autocast, deterministic algorithms, the default dtype,
 and the intra-op thread count. So a compiled forward called at another thread count compiled again: a second set of
 graphs (a frozen int8 graph with a second copy of its packed weights), and per count ~2 s of load for MiniLM in fp32,
-~7 s in int8 (CPU D). Inductor's CPU kernels built with ``cpp.dynamic_threads`` run at whatever count is set, so such
+~7 s in int8. Inductor's CPU kernels built with ``cpp.dynamic_threads`` run at whatever count is set, so such
 a compile leaves that guard out (``guard_filter_fn``; torch 2.8 cannot, and keeps compiling per count), and the
 forward checks the rest of the global state itself: a call under a global state that differs from the first call's
 in anything but the thread count raises ``GlobalStateChanged``, which the engine serves eagerly, as any failing

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 
 from handlers.ladder import race
-from handlers.ladder.decisions import Memory, batch_tensors, fingerprint
+from handlers.ladder.decisions import DecisionStore, batch_tensors, fingerprint
 
 logger = logging.getLogger(__name__)
 
 # Fewer distinct warmup shapes than this leave the three parts undetermined: no model, no grouping.
 MIN_SHAPES = 3
 # A fit whose worst relative error at the shapes it was fitted to is larger says the times were not the forward's
-# alone (quiet fits of MiniLM on CPU D: 2-9 %; one timed while three archives compiled beside it: 61 %).
+# alone (quiet fits of MiniLM: 2-9 %; one timed while three archives compiled beside it: 61 %).
 MAX_FIT_ERROR = 0.25
 # How long the timing waits out a busy machine (``handlers.ladder.race``), shorter than a race: grouping is only a
 # speed-up.
@@ -135,7 +135,7 @@ def take_groups(inputs: Mapping[str, torch.Tensor], mask: torch.Tensor,
                for name, tensor in inputs.items()}
 
 
-def _recalled(kept: Memory, key: str) -> CostModel | None:
+def _recalled(kept: DecisionStore, key: str) -> CostModel | None:
     earlier = kept.recall(key)
     if earlier is None:
         return None
@@ -154,7 +154,7 @@ def kept_key(batches: Sequence[Mapping[str, torch.Tensor]], served: object, weig
 
 def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
             synchronize: Callable[[], None] = lambda: None, patience_s: float = PATIENCE_S,
-            kept: Memory | None = None, key: str | None = None) -> CostModel | NoCostModel:
+            kept: DecisionStore | None = None, key: str | None = None) -> CostModel | NoCostModel:
     """The cost model of ``forward`` (already warm at these shapes): its fastest of ``calls`` at each batch of named
     [rows, seq] tensors, timed as the ladder's races are (``handlers.ladder.race``: run again while other processes keep
     this worker waiting, for up to ``patience_s``), and fitted. A model an earlier load kept in ``kept`` under
@@ -199,7 +199,7 @@ class LookAgain:
     while it serves, it looks in the memory again every ``every_s`` for the model a sibling of the same forward kept
     since, once that sibling timed it on a quiet moment. Each look is a file read; the forward is never timed live."""
 
-    kept: Memory
+    kept: DecisionStore
     key: str
     every_s: float = LOOK_AGAIN_S
     clock: Callable[[], float] = time.monotonic
@@ -213,3 +213,46 @@ class LookAgain:
             return None
         self._due = now + self.every_s
         return _recalled(self.kept, self.key)
+
+
+class LengthGrouping:
+    """The cost model rows are grouped by (``cost``); where the load had none, why (``no_cost``) and, where a sibling
+    may keep one later, the look for it (``look_again``)."""
+
+    def __init__(self, cost: CostModel | None, no_cost: NoCostModel | None = None,
+                 look_again: LookAgain | None = None):
+        self.cost = cost
+        self.no_cost = no_cost
+        self.look_again = look_again
+
+    @classmethod
+    def measured(cls, forward: Callable[..., Any], batches: Sequence[Any], synchronize: Callable[[], None],
+                 kept: DecisionStore | None, key: str | None) -> LengthGrouping:
+        """The served ``forward``'s cost model, timed on the warmup ``batches`` (or kept by an earlier load under
+        ``key``, and kept for the next)."""
+        found = measure(forward, batches, synchronize=synchronize, kept=kept, key=key)
+        if isinstance(found, CostModel):
+            logger.info("length groups: %s", found.describe())
+            return cls(found)
+        return cls(None, found, LookAgain(kept, key) if kept is not None and key is not None else None)
+
+    def cost_now(self) -> CostModel | None:
+        """The cost model; a worker that had none at load looks for one a sibling kept since."""
+        if self.cost is None and self.look_again is not None:
+            self.cost = self.look_again()
+            if self.cost is not None:
+                self.look_again, self.no_cost = None, None
+                logger.info("length groups: the model another worker of this forward kept since: %s",
+                            self.cost.describe())
+        return self.cost
+
+    def describe(self) -> dict[str, Any] | None:
+        """The fitted cost model; else why there is none (every batch runs as one)."""
+        if self.cost is not None:
+            return self.cost.describe()
+        if self.no_cost is None:
+            return None
+        said = self.no_cost.describe()
+        if self.look_again is not None:
+            said["looks_again_every_s"] = self.look_again.every_s  # for the model another worker of it keeps
+        return said

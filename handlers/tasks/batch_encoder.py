@@ -2,8 +2,8 @@
 
 Why: in a serving worker, tokenizing runs right after a forward whose weights and OpenMP threads have pushed
 everything else out of the CPU's caches, and there transformers' ``tokenizer(texts, ...)`` walks enough Python
-(argument checks, ``BatchEncoding``, conversions) to cost 0.4-0.6 ms for one short text on CPU A, against 0.06 ms
-warm; the backend's own ``encode_batch`` costs 0.13-0.19 ms there. The batch encoder is a copy of the backend,
+(argument checks, ``BatchEncoding``, conversions) to cost 0.4-0.6 ms for one short text on a Zen 4 EPYC, against
+0.06 ms warm; the backend's own ``encode_batch`` costs 0.13-0.19 ms there. The batch encoder is a copy of the backend,
 configured once as transformers configures it for ``truncation=True, max_length=..., padding=True``, so its
 answers are the same arrays (tests/test_batch_encoder.py checks them against transformers). ``WindowEncoder`` does
 the same for question answering's windows over a (question, context) pair, its truncation set as each request's
@@ -57,8 +57,7 @@ class BatchEncoder:
 
     def __call__(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         # encode_batch_fast: the same encodings of single texts without character offsets, which these inputs do not
-        # need (8 texts of ~120 words on CPU A: 1.09 -> 0.84 ms); not for pairs, whose second text's token types
-        # it leaves 0
+        # need (8 texts of ~120 words: 1.09 -> 0.84 ms); not for pairs, whose second text's token types it leaves 0
         return self._inputs(self._backend.encode_batch_fast(list(texts), add_special_tokens=True))
 
     def with_offsets(self, texts: Sequence[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ gate also judges int8 on texts it was not calibrated on. By default int8 is cali
 judged on them and on a seeded sample of texts of the tokenizer's whole words (``held_out_sample``); with the
 archive's calibration file (``pt2_handlers.int8_calibration``: one text per line, what the model will be sent),
 on all but every ``HELD_OUT_EVERY``-th line, and judged on those (``from_texts``). Which calibration does best on
-held-out texts: ``scripts/int8_calibration.py`` (docs/ladder.md: int8).
+held-out texts: docs/ladder.md (int8).
 """
 
 from __future__ import annotations

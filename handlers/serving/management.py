@@ -1,16 +1,15 @@
-#!/usr/bin/env python3
 """Manage models on a running TorchServe through its management API, with the key read from key_file.json.
 
-  .venv/bin/python scripts/manage.py list
-  .venv/bin/python scripts/manage.py register minilm.mar [--name minilm] [--workers 1]
-  .venv/bin/python scripts/manage.py scale minilm --min 1 --max 3 [--wait]
-  .venv/bin/python scripts/manage.py describe minilm [--json]    # the ladder, rung attempts, workers
-  .venv/bin/python scripts/manage.py default minilm 2.0          # the version /predictions/minilm serves
-  .venv/bin/python scripts/manage.py unregister minilm [--version 1.0]
-  .venv/bin/python scripts/manage.py ready minilm                # exit 0 once a worker is READY (a k8s probe)
+  python -m handlers list
+  python -m handlers register minilm.mar [--name minilm] [--workers 1]
+  python -m handlers scale minilm --min 1 --max 3 [--wait]
+  python -m handlers describe minilm [--json]    # the ladder, rung attempts, workers
+  python -m handlers default minilm 2.0          # the version /predictions/minilm serves
+  python -m handlers unregister minilm [--version 1.0]
+  python -m handlers ready minilm                # exit 0 once a worker is READY (a k8s probe)
 
---config and --run-dir name the server (default: the one scripts/start.sh started). A failing call exits 1 and
-prints TorchServe's error.
+--config and --run-dir name the server, before or after the command (default: the one ``python -m handlers start``
+started from the current directory). A failing call exits 1 and prints TorchServe's error.
 """
 
 from __future__ import annotations
@@ -19,13 +18,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import tsctl  # noqa: E402
+from handlers.serving.server import Server, add_server_options, server_for, wait_ready, worker_status
 
 
 class ManagementError(RuntimeError):
@@ -34,7 +30,7 @@ class ManagementError(RuntimeError):
         self.status = status
 
 
-def call(server: tsctl.Server, method: str, path: str, timeout: float = 120) -> Any:
+def call(server: Server, method: str, path: str, timeout: float = 120) -> Any:
     status, body = server.management(method, path, timeout=timeout)
     if status >= 400:
         raise ManagementError(f"{method} {path}: {status} {body.decode(errors='replace').strip()}", status)
@@ -46,7 +42,7 @@ def call(server: tsctl.Server, method: str, path: str, timeout: float = 120) -> 
 # lands on that thread waits, on every model. So this CLI always asks asynchronously and waits by asking describe.
 
 
-def register(server: tsctl.Server, archive: str, name: str | None = None, workers: int = 1,
+def register(server: Server, archive: str, name: str | None = None, workers: int = 1,
              timeout: float = 900) -> Any:
     query = {"url": archive, "initial_workers": workers, "synchronous": "false"}
     if name:
@@ -57,7 +53,7 @@ def register(server: tsctl.Server, archive: str, name: str | None = None, worker
         name = next((model["modelName"] for model in models if model["modelUrl"] == archive), None)
         if name is None:
             raise ManagementError(f"registered {archive}, but TorchServe lists no model from it; pass --name to wait")
-    tsctl.wait_ready(server, name, timeout, count=workers)
+    wait_ready(server, name, timeout, count=workers)
     return answer
 
 
@@ -67,7 +63,7 @@ FRONTEND_RACE = "ConcurrentModificationException"
 SCALE_ATTEMPTS = 3
 
 
-def scale(server: tsctl.Server, name: str, min_workers: int, max_workers: int, wait: bool = False,
+def scale(server: Server, name: str, min_workers: int, max_workers: int, wait: bool = False,
           timeout: float = 900, retry_pause: float = 0.5) -> Any:
     query = urlencode({"min_worker": min_workers, "max_worker": max_workers, "synchronous": "false"})
     for attempt in range(1, SCALE_ATTEMPTS + 1):
@@ -81,11 +77,11 @@ def scale(server: tsctl.Server, name: str, min_workers: int, max_workers: int, w
                   f"asking again ({attempt + 1}/{SCALE_ATTEMPTS})", file=sys.stderr)
             time.sleep(retry_pause)
     if wait:
-        tsctl.wait_ready(server, name, timeout, count=min_workers)
+        wait_ready(server, name, timeout, count=min_workers)
     return answer
 
 
-def ready(server: tsctl.Server, name: str) -> str:
+def ready(server: Server, name: str) -> str:
     """What a readiness probe needs: the model has a READY worker (its ladder ran and a rung was proven). Not the
     customized describe: that one asks a worker, which may be busy with a batch."""
     entries = call(server, "GET", f"/models/{quote(name)}", timeout=5)
@@ -97,7 +93,7 @@ def ready(server: tsctl.Server, name: str) -> str:
     return summary
 
 
-def describe(server: tsctl.Server, name: str, worker_timeout: float = 20) -> list[dict[str, Any]]:
+def describe(server: Server, name: str, worker_timeout: float = 20) -> list[dict[str, Any]]:
     """TorchServe's describe with our metadata, which only a worker can give (``customized=true``). Asked only while
     a worker is READY, for at most ``worker_timeout`` seconds: TorchServe holds the question until a worker takes it (a
     loading one: minutes) and answers 507 for one that died meanwhile, as in a restart. Then the plain describe, the
@@ -131,7 +127,7 @@ def format_description(entries: list[dict[str, Any]]) -> str:
                      f"maxBatchDelay {entry.get('maxBatchDelay')} ms, workers {entry.get('minWorkers')}.."
                      f"{entry.get('maxWorkers')}")
         for worker in entry.get("workers", []):
-            lines.append(f"  worker {worker['id']}: pid {worker['pid']} {tsctl.worker_status(worker)}")
+            lines.append(f"  worker {worker['id']}: pid {worker['pid']} {worker_status(worker)}")
         lines += _optimization_lines(meta.get("optimization") or {}, meta.get("outputs") or {})
         if meta.get("failure"):
             lines.append(f"  failure: {meta['failure']}")
@@ -174,42 +170,48 @@ def _optimization_lines(optimization: dict[str, Any], outputs: dict[str, Any]) -
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=tsctl.DEFAULT_CONFIG)
-    parser.add_argument("--run-dir", type=Path, default=tsctl.DEFAULT_RUN_DIR)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="registered models")
-    p = sub.add_parser("register", help="register an archive from the model store (waits until READY)")
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """The management commands, each at the top level of ``python -m handlers``."""
+
+    def command(name: str, says: str) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=says)
+        add_server_options(parser, in_command=True)
+        parser.set_defaults(run=run)
+        return parser
+
+    command("list", "registered models")
+    p = command("register", "register an archive from the model store (waits until READY)")
     p.add_argument("archive", help="a .mar in the server's model store, e.g. minilm.mar")
     p.add_argument("--name")
     p.add_argument("--workers", type=int, default=1)
-    p = sub.add_parser("scale", help="set min/max workers")
+    p = command("scale", "set min/max workers")
     p.add_argument("name")
     p.add_argument("--min", type=int, required=True, dest="min_workers")
     p.add_argument("--max", type=int, required=True, dest="max_workers")
     p.add_argument("--wait", action="store_true", help="wait until --min workers are READY")
-    p = sub.add_parser("describe", help="workers and the optimization ladder")
+    p = command("describe", "workers and the optimization ladder")
     p.add_argument("name")
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("default", help="set the version /predictions/NAME serves")
+    p = command("default", "set the version /predictions/NAME serves")
     p.add_argument("name")
     p.add_argument("version")
-    p = sub.add_parser("unregister")
+    p = command("unregister", "unregister a model, or one version of it")
     p.add_argument("name")
     p.add_argument("--version")
-    p = sub.add_parser("ready", help="exit 0 if the model has a READY worker, 1 otherwise (a readiness probe)")
+    p = command("ready", "exit 0 if the model has a READY worker, 1 otherwise (a readiness probe)")
     p.add_argument("name")
-    args = parser.parse_args()
-    server = tsctl.server_for(args.config, args.run_dir.resolve())
+
+
+def run(args: argparse.Namespace) -> int:
+    server = server_for(args.server_config, args.run_dir.resolve())
     try:
         if args.command == "ready":
             print(ready(server, args.name))
-            return
+            return 0
         if args.command == "describe":
             entries = describe(server, args.name)
             print(json.dumps(entries, indent=2) if args.json else format_description(entries))
-            return
+            return 0
         answer = {
             "list": lambda: call(server, "GET", "/models"),
             "register": lambda: register(server, args.archive, args.name, args.workers),
@@ -220,9 +222,6 @@ def main() -> None:
         }[args.command]()
     except (ManagementError, OSError) as exc:  # OSError: the server is not (yet) listening
         print(exc, file=sys.stderr)
-        sys.exit(1)
+        return 1
     print(json.dumps(answer, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

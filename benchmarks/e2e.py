@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """End to end through one TorchServe on loopback (token auth on): pt2-handlers vs a plain eager baseline.
 
-Why: the model-only numbers (scripts/bench_model.py) leave out HTTP, batching and tokenization; this is what
+Why: the model-only numbers (benchmarks/model.py) leave out HTTP, batching and tokenization; this is what
 a client sees. Both archives are served by the same TorchServe with the same batchSize / maxBatchDelay /
 workers (benchmarks/baseline.yaml mirrors the model YAML), so only the handler differs:
 
-    minilm     scripts/package.py with model_configs/minilm-embeddings.yaml (or --config)
+    minilm     python -m handlers package with model_configs/minilm-embeddings.yaml (or --config)
     baseline   benchmarks/baseline_handler.py: fp32 eager, padded to 128 tokens (TorchServe's HF example)
 
 Per workload x concurrency cell, each model gets --requests requests from --concurrency keep-alive clients,
@@ -25,12 +24,12 @@ More rows, same load, same run (each gets its own row in the CSV, PNG and table,
                                 SDK's default request (base64 answers; an archive's at .../<version>/v1/embeddings),
                                 a row NAME+openai
     --peers infinity-torch infinity-optimum
-                                the Infinity embedding server (scripts/peers.py) on the same directory, 127.0.0.1,
+                                the Infinity embedding server (benchmarks/peers.py) on the same directory, 127.0.0.1,
                                 mean pooling, batch size 32, from its own venv (scripts/setup.sh --profile infinity,
                                 built the first time, ~1 min); its answers are checked against sentence-transformers
                                 first and a peer below min cosine 0.99 is refused (no row)
 
-    .venv/bin/python scripts/bench_e2e.py [--requests 200] [--concurrency 1 4 16] [--workloads uniform mixed] \
+    .venv/bin/python -m benchmarks.e2e [--requests 200] [--concurrency 1 4 16] [--workloads uniform mixed] \
         [--peers infinity-torch infinity-optimum] [--extra-archive NAME=YAML [KEY=VALUE ...] ...]
 """
 
@@ -54,11 +53,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import manage
-import package
-import peers
-import tsctl
-from bench_common import (
+from benchmarks import peers
+from benchmarks.harness import (
     DEFAULT_OUT,
     REPO,
     OtherCpu,
@@ -72,20 +68,23 @@ from bench_common import (
     write_json,
     write_plot,
 )
+from handlers.serving import archive, management
+from handlers.serving import server as torchserve
 
 OURS, BASELINE = "minilm", "baseline"
 MODELS = (OURS, BASELINE)  # always served; --extra-archive adds archives, --peers adds other servers
 LABELS = {OURS: "pt2-handlers (minilm)", BASELINE: "eager baseline", **peers.LABELS}
 BASELINE_HANDLER = REPO / "benchmarks" / "baseline_handler.py"
 BASELINE_YAML = REPO / "benchmarks" / "baseline.yaml"
-# words per text; each word is one token (+2 specials). short: issue 19's lone short request (8-16 words), not
+# words per text; each word is one token (+2 specials). short: the speed goals' lone short request (8-16 words), not
 # run unless asked
 WORKLOADS = {"uniform": (118, 118), "mixed": (8, 96), "short": (8, 16)}
 MIN_AGREEMENT = 0.99  # ours may serve bf16; the baseline is fp32
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200, help="timed requests per model per cell")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=list(WORKLOADS),
@@ -93,13 +92,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per cell (requests split)")
     # Each target sits idle for seconds while the others take their turn in a round, which a steady stream of requests
     # at one concurrency never does: under a hypervisor its idle cores are given up, and at concurrency 1 its first
-    # request after that was a cell's p99. What idleness costs a lone request is bench_overhead.py --idle-ms's to say.
+    # request after that was a cell's p99. What idleness costs a lone request is benchmarks.overhead --idle-ms's to say.
     parser.add_argument("--settle", type=int, default=2,
                         help="untimed requests to each target, one at a time, before its timed share of a round")
     # TorchServe's frontend (a JVM) serves a lone request ~2-5 ms slower for its first few hundred requests, while its
     # JIT compiles; a serving server is past that, and so is a peer, which needs no warming (docs/performance.md).
     parser.add_argument("--warmup", type=int, default=400, help="untimed requests per model and workload first")
-    parser.add_argument("--config", type=Path, default=package.DEFAULT_CONFIG, help="model YAML for ours")
+    parser.add_argument("--config", type=Path, default=archive.DEFAULT_CONFIG, help="model YAML for ours")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override the model YAML (both models' batching follows it), e.g. maxBatchDelay=1 "
                              "minWorkers=2 pt2_handlers.threads=1")
@@ -123,7 +122,7 @@ def parse_args() -> argparse.Namespace:
                              "its default request ({\"input\", \"model\", \"encoding_format\": \"base64\"}; an "
                              "archive at .../<version>/v1/embeddings), a row NAME+openai each")
     parser.add_argument("--peers", nargs="+", default=[], choices=peers.PEERS,
-                        help="also time these servers on the same model directory (scripts/peers.py)")
+                        help="also time these servers on the same model directory (benchmarks/peers.py)")
     parser.add_argument("--peer-batch-size", type=int, default=32, help="the peers' --batch-size")
     parser.add_argument("--peer-timeout", type=float, default=600,
                         help="seconds a peer may take to answer /health (and its ONNX export)")
@@ -154,7 +153,7 @@ def extra_archive(value: str) -> tuple[str, Path]:
     name, sep, config = value.partition("=")
     if not sep or not name or not Path(config).is_file():
         raise argparse.ArgumentTypeError(f"expected NAME=YAML with an existing model YAML, got {value!r}")
-    package.check_name(name)
+    archive.check_name(name)
     return name, Path(config).resolve()
 
 
@@ -193,9 +192,9 @@ def package_baseline(model_dir: Path, store: Path, config: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="baseline-stage-") as tmp:
         staging = Path(tmp) / "archive"
         shutil.copytree(model_dir, staging / "model", ignore=lambda _dir, names: [
-            n for n in names if n.startswith(".") or Path(n).suffix in package.EXCLUDED_SUFFIXES])
+            n for n in names if n.startswith(".") or Path(n).suffix in archive.EXCLUDED_SUFFIXES])
         shutil.copy(BASELINE_HANDLER, staging / BASELINE_HANDLER.name)
-        command = [package.archiver(), "--model-name", BASELINE, "--version", "1.0",
+        command = [archive.archiver(), "--model-name", BASELINE, "--version", "1.0",
                    "--handler", str(staging / BASELINE_HANDLER.name), "--extra-files", str(staging),
                    "--config-file", str(config), "--export-path", str(store), "--force"]
         log(f"packaging baseline: {' '.join(command)}")
@@ -276,12 +275,12 @@ def label(name: str) -> str:
     return LABELS.get(name, f"pt2-handlers ({name})")
 
 
-def archive_target(server: tsctl.Server, model: str) -> Target:
+def archive_target(server: torchserve.Server, model: str) -> Target:
     return Target(model, server.inference_url, server.key("inference") or "", f"/predictions/{model}",
                   lambda text: {"text": text})
 
 
-def openai_target(server: tsctl.Server, model: str) -> Target:
+def openai_target(server: torchserve.Server, model: str) -> Target:
     """``model`` as OpenAI's SDK calls it (handlers/tasks/embeddings.py): its default body, answered in base64."""
     status, raw = server.management("GET", f"/models/{model}")
     if status != 200:
@@ -302,7 +301,7 @@ def peer_target(peer: peers.InfinityPeer) -> Target:
     return Target(peer.name, peer.url, peer.key, peer.path, peer.body)
 
 
-def send_all(server: tsctl.Server, model: str, bodies: Sequence[Any], concurrency: int,
+def send_all(server: torchserve.Server, model: str, bodies: Sequence[Any], concurrency: int,
              answer_has: bytes = b"") -> dict[str, Any]:
     """POST every JSON body to ``model`` from ``concurrency`` clients; latencies (ms), errors and wall seconds.
     A 200 counts only if its payload contains ``answer_has``."""
@@ -379,7 +378,7 @@ def cell_row(workload: str, concurrency: int, model: str, result: dict[str, Any]
             **{f"{k}_ms": round(v, 2) for k, v in stats.items()}}
 
 
-def embed(server: tsctl.Server, model: str, text: str) -> list[float]:
+def embed(server: torchserve.Server, model: str, text: str) -> list[float]:
     status, raw = server.call("POST", f"{server.inference_url}/predictions/{model}", "inference",
                               json.dumps({"text": text}).encode(), "application/json")
     if status != 200:
@@ -392,7 +391,8 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
-def check_agreement(server: tsctl.Server, texts: Sequence[str], tokenizer: Any, model: str = OURS) -> dict[str, Any]:
+def check_agreement(server: torchserve.Server, texts: Sequence[str], tokenizer: Any,
+                    model: str = OURS) -> dict[str, Any]:
     """An archive vs the baseline on the same texts (each within 128 tokens, so the baseline truncates nothing)."""
     tokens = max(len(tokenizer(text)["input_ids"]) for text in texts)
     values = [cosine(embed(server, model, text), embed(server, BASELINE, text)) for text in texts]
@@ -405,7 +405,7 @@ def check_agreement(server: tsctl.Server, texts: Sequence[str], tokenizer: Any, 
     return result
 
 
-def describe_ours(server: tsctl.Server, model: str = OURS) -> dict[str, Any]:
+def describe_ours(server: torchserve.Server, model: str = OURS) -> dict[str, Any]:
     status, raw = server.management("GET", f"/models/{model}?customized=true")
     if status != 200:
         log(f"describe {model}: HTTP {status}")
@@ -437,7 +437,7 @@ def untimed_texts(words: Sequence[str], args: argparse.Namespace) -> tuple[list[
     return sample, warm, rng
 
 
-def bench(server: tsctl.Server, args: argparse.Namespace, tokenizer: Any,
+def bench(server: torchserve.Server, args: argparse.Namespace, tokenizer: Any,
           peer_targets: Sequence[Target] = ()) -> tuple[list[dict[str, Any]], dict]:
     # Ours: this process (the peers are its children) and the TorchServe started here (its frontend is the only
     # process given our work dir).
@@ -532,22 +532,23 @@ def _or_dash(value: Any) -> Any:
     return "-" if value is None else value
 
 
-def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> tsctl.Server:
+def start_server(args: argparse.Namespace, work: Path, model_dir: Path) -> torchserve.Server:
     store = work / "model_store"
-    package.build(OURS, model_dir, args.config.resolve(), store)
+    archive.build(OURS, model_dir, args.config.resolve(), store)
     for name, config, _ in args.extra_archive:
-        package.build(name, model_dir, config, store)
+        archive.build(name, model_dir, config, store)
     package_baseline(model_dir, store, baseline_yaml(args.config, work))
     if args.cold_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
     started = time.monotonic()
     names = archive_names(args)
-    config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
-    server = tsctl.start(config, store, [f"{m}={m}.mar" for m in names], work / "run", args.timeout, every_worker=True)
+    config = torchserve.shifted_config(work, args.port_shift, extra=args.server_set)
+    server = torchserve.start(config, store, [f"{m}={m}.mar" for m in names], work / "run", args.timeout,
+                              every_worker=True)
     log(f"TorchServe READY with {len(names)} models ({', '.join(names)}) in {time.monotonic() - started:.0f}s")
     for name, workers in args.scale:
         started = time.monotonic()
-        manage.scale(server, name, workers, workers, wait=True, timeout=args.timeout)
+        management.scale(server, name, workers, workers, wait=True, timeout=args.timeout)
         log(f"{name}: scaled to {workers} workers through the management API in {time.monotonic() - started:.0f}s")
     return server
 
@@ -591,7 +592,7 @@ def main() -> None:
     import transformers
     import yaml
 
-    model_dir = package.default_model_dir()
+    model_dir = archive.default_model_dir()
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     args.config = overridden_config(args.config, args.set, work)
     args.extra_archive = [(name, overridden_config(config, settings, work, name), settings)
@@ -618,7 +619,7 @@ def main() -> None:
     finally:
         peers.stop_peers(started_peers)
         if (work / "run").is_dir():  # absent when packaging failed: nothing was started
-            tsctl.stop(work / "run")
+            torchserve.stop(work / "run")
             log(f"stopped TorchServe; its logs stay in {work / 'run' / 'logs'}")
         # The archives and their unpacked copies (~150 MB); the keys of a stopped server are no use to anyone.
         for path in (work / "model_store", work / "run" / "tmp", work / "peers" / "infinity-onnx-model"):

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Does the served module's memory stay flat? The soak's traffic without TorchServe, in one process.
 
 Builds the module a worker serves (handlers.serving.engine.Engine with a model YAML, the ladder and all), then feeds it
@@ -6,7 +5,7 @@ batches like the soak's: 1 to 4 texts of 3 to 96 words (random lengths, so nearl
 (rows, sequence) shape). It samples this process's VmRSS every ``--sample-every`` batches and prints one line per
 sample, with how many distinct run shapes it has seen so far. With --out it writes a CSV.
 
-  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python scripts/memory_probe.py --batches 3000
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m benchmarks.memory_probe --batches 3000
   ... --dtype float32                      # force a dtype over the YAML's
   ... --seq-multiple 1                     # every batch at its exact length (before the rounding: bf16 grows)
   ONEDNN_VERBOSE=1 ... --batches 50 | grep -c 'primitive,create'   # oneDNN primitives created
@@ -20,16 +19,14 @@ import argparse
 import csv
 import ctypes
 import random
-import sys
 import time
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(SCRIPTS), str(SCRIPTS.parent)]
+from benchmarks.harness import REPO
 
 WORDS = ("serving compile graph kernel batch token model worker cache tensor queue latency python torch inference "
          "request answer embedding sentence vector cat dog tea train music weather river city garden").split()
-DEFAULT_CONFIG = SCRIPTS.parent / "model_configs" / "minilm-embeddings.yaml"
+DEFAULT_CONFIG = REPO / "model_configs" / "minilm-embeddings.yaml"
 
 
 def rss_mb() -> float:
@@ -79,9 +76,9 @@ def build_engine(config: Path, dtype: str | None, model_dir: Path | None, seq_mu
     if dtype:
         settings["dtype"] = dtype
     if model_dir is None:
-        import package
+        from handlers.serving import archive
 
-        model_dir = package.default_model_dir()
+        model_dir = archive.default_model_dir()
     model_dir = model_dir.resolve()
     settings["model_dir"] = model_dir.name  # the archive's layout: the model directory inside the model root
     handler_config = load_config(raw)
@@ -94,7 +91,8 @@ def build_engine(config: Path, dtype: str | None, model_dir: Path | None, seq_mu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None, help="over the YAML's")
     parser.add_argument("--model-dir", type=Path, default=None)
@@ -124,7 +122,7 @@ def main() -> None:
     started = time.monotonic()
     for index in range(1, args.batches + 1):
         texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 96))) for _ in range(rng.randint(1, 4))]
-        encoded = engine._task.preprocess([engine._task.parse({"inputs": texts})])
+        encoded = engine.task.preprocess([engine.task.parse({"inputs": texts})])
         rows, seq = encoded.inputs["input_ids"].shape
         shapes.add(engine.shapes.serving_shape(rows, seq))
         engine.forward_batch(encoded.inputs)

@@ -1,14 +1,16 @@
-#!/usr/bin/env python3
-"""Build a self-contained .mar: handler entry file + the ``handlers`` package + model files + model YAML.
+"""Build a self-contained .mar: ``python -m handlers package`` (the handler entry file + the ``handlers`` package +
+model files + model YAML), and ``python -m handlers check``, the model YAML check it runs first.
 
 Layout inside the archive (what the worker sees as its model_dir):
 
-    torchserve_handler.py   the entry file TorchServe imports (defines Pt2Handler)
+    torchserve_handler.py   the entry file TorchServe imports (defines Pt2Handler): this package's
+                            serving/torchserve_handler.py, which torch-model-archiver copies to the archive's root
     handlers/               this package, so the host needs torch + transformers but not pt2-handlers
     model/                  the save_pretrained directory (safetensors + tokenizer)
     MAR-INF/MANIFEST.json
 
-Prints the exact torch-model-archiver command it runs.
+Prints the exact torch-model-archiver command it runs. The defaults are relative to the current directory, the
+project's root: model_configs/minilm-embeddings.yaml, and model_store/ for the archive.
 """
 
 from __future__ import annotations
@@ -24,16 +26,45 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-PACKAGE = REPO / "handlers"
-ENTRY_FILE = "torchserve_handler.py"
-DEFAULT_CONFIG = REPO / "model_configs" / "minilm-embeddings.yaml"
+PACKAGE = Path(__file__).resolve().parent.parent  # the handlers package this runs from, copied whole into the archive
+ENTRY_FILE = Path("serving") / "torchserve_handler.py"  # in PACKAGE; the archiver puts it at the root
+DEFAULT_CONFIG = Path("model_configs") / "minilm-embeddings.yaml"
+DEFAULT_EXPORT_PATH = Path("model_store")
 # Stored, not deflated: safetensors weights barely compress (MiniLM's archive 92.1 MB stored, 83.7 MB deflated) and
-# deflating them was 5 s of a 5.5 s build on a 2-core CPU (docs/performance.md, stop 59). TorchServe reads either.
+# deflating them was 5 s of a 5.5 s build on a 2-core CPU (docs/performance.md). TorchServe reads either.
 DEFAULT_FORMAT = "zip-store"
 FORMATS = ("zip-store", "default", "no-archive")  # torch-model-archiver's; "default" deflates
 # Pickled weights are never shipped: the handler loads safetensors only.
 EXCLUDED_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".h5", ".msgpack", ".onnx"}
+
+
+def check(paths: list[Path], import_dirs: list[Path]) -> int:
+    """Print a line per file saying what it configures, or a line per problem in it; the number of invalid files.
+
+    A mistake in the ``pt2`` or ``pt2_handlers`` section otherwise shows only in the worker's log, behind
+    TorchServe's generic "Failed to start workers". Every problem of a file is printed, one per line."""
+    from handlers.config import load_config_file
+    from handlers.errors import ConfigError
+
+    sys.path[:0] = [str(d) for d in import_dirs]  # where a "module:function" backend would be at the archive root
+    invalid = 0
+    for path in paths:
+        try:
+            config = load_config_file(path)
+        except ConfigError as exc:
+            invalid += 1
+            for problem in exc.problems:  # every one, each on its own line: one run finds them all
+                print(f"{path}: INVALID: {problem}")
+            continue
+        settings = config.settings
+        compile_text = (f"compile {config.served_compile.backend} (mode {config.served_compile.mode or 'default'})"
+                        if config.compile.enabled else "compile off")
+        print(f"{path}: ok: task {settings.task}, {compile_text}, ladder "
+              f"{'/'.join(rung.value for rung in settings.ladder)}, shapes {settings.shapes.kind.value}, "
+              f"dtype {'/'.join(d.value for d in settings.dtype)}")
+        for warning in config.warnings:
+            print(f"{path}: warning: {warning}")
+    return invalid
 
 
 def default_model_dir() -> Path:
@@ -69,7 +100,7 @@ def archiver_command(name: str, version: str, staging: Path, config: Path, expor
         archiver(),
         "--model-name", name,
         "--version", version,
-        "--handler", str(staging / "handlers" / ENTRY_FILE),
+        "--handler", str(staging / "handlers" / ENTRY_FILE),  # copied to the archive root as torchserve_handler.py
         "--extra-files", str(staging),
         "--config-file", str(config),
         "--export-path", str(export_path),
@@ -90,9 +121,6 @@ def check_name(name: str) -> None:
 def check_config(config: Path, extra_files: tuple[Path, ...] = ()) -> None:
     """Refuse a model YAML whose pt2 / pt2_handlers sections the worker would reject (the same code as
     ``python -m handlers check``): otherwise the mistake shows only in the worker log, after registration."""
-    sys.path.insert(0, str(REPO))
-    from handlers.__main__ import check
-
     with contextlib.redirect_stdout(io.StringIO()) as report:
         invalid = check([config], sorted({extra.resolve().parent for extra in extra_files}))
     print(f"[package] {report.getvalue().strip()}", flush=True)
@@ -150,22 +178,32 @@ def build(name: str, model_dir: Path, config: Path, export_path: Path, version: 
     return archive
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """``check`` and ``package``."""
+    checker = commands.add_parser("check", help="validate model YAML files (the pt2 and pt2_handlers sections)",
+                                  description="Validate model YAMLs with the code the worker runs; every problem of a "
+                                              "file is printed, one per line. Exit status 1 if any file is invalid.")
+    checker.add_argument("paths", nargs="+", type=Path)
+    checker.add_argument("--import-dir", type=Path, action="append", default=[],
+                         help="a directory to import custom backends from (the files packed at the archive root)")
+    checker.set_defaults(run=lambda args: 1 if check(args.paths, args.import_dir) else 0)
+    parser = commands.add_parser("package", help="build a self-contained .mar (checks the model YAML first)",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default="minilm", help="model name (and archive file name)")
     parser.add_argument("--model-dir", type=Path, help="save_pretrained directory (default: embedded MiniLM)")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="model YAML")
-    parser.add_argument("--export-path", type=Path, default=REPO / "model_store")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="model YAML (default: %(default)s)")
+    parser.add_argument("--export-path", type=Path, default=DEFAULT_EXPORT_PATH,
+                        help="where the archive is written (default: %(default)s)")
     parser.add_argument("--version", default="1.0")
     parser.add_argument("--extra-file", type=Path, action="append", default=[],
                         help="a file to put at the archive root, e.g. a module with a custom compile backend")
     parser.add_argument("--archive-format", choices=FORMATS, default=DEFAULT_FORMAT,
                         help="zip-store: a .mar whose files are stored (the weights barely compress); default: "
                              "deflated; no-archive: a directory (default: %(default)s)")
-    args = parser.parse_args()
+    parser.set_defaults(run=run_package)
+
+
+def run_package(args: argparse.Namespace) -> int:
     build(args.name, (args.model_dir or default_model_dir()).resolve(), args.config.resolve(),
           args.export_path.resolve(), args.version, tuple(p.resolve() for p in args.extra_file), args.archive_format)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Cold start vs warm starts of the shipped archive through a real TorchServe on loopback.
 
 Three measurements, one run, one fresh compile cache directory:
@@ -11,8 +10,8 @@ Three measurements, one run, one fresh compile cache directory:
    serving one loads on its share of the cores (``CoreShare.loading``).
 3. a new host: TorchServe is stopped, the cache directory is copied elsewhere (as a volume mounted into a new
    pod would be) and a new TorchServe starts from the copy; time until READY.
-4. the same from a copy without what the loads measured (``handlers.ladder.decisions``: the races, int8's choice of layers),
-   so the worker measures again: what remembering them saves.
+4. the same from a copy without what the loads measured (``handlers.ladder.decisions``: the races, int8's choice of
+   layers), so the worker measures again: what remembering them saves.
 5. with ``--workers N`` (N > 1): a cold start of the model YAML with ``minWorkers: N``, from another empty cache;
    time until the first worker is READY and until all are (workers on the same cores load in turn, each on every core,
    and the next loads from what the first kept: ``CoreShare.loading``).
@@ -22,7 +21,7 @@ Three measurements, one run, one fresh compile cache directory:
 
 Each worker's own load time (from the handler's READY log line) is recorded beside the wall-clock times.
 
-    .venv/bin/python scripts/bench_restart.py [--config model_configs/minilm-embeddings.yaml]
+    .venv/bin/python -m benchmarks.restart [--config model_configs/minilm-embeddings.yaml]
 """
 
 from __future__ import annotations
@@ -32,22 +31,17 @@ import json
 import random
 import re
 import shutil
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import harness
+from handlers.ladder.decisions import DIRECTORY as MEASURED
+from handlers.serving import archive
+from handlers.serving import server as torchserve
 
-import bench_common as bc  # noqa: E402
-import package  # noqa: E402
-import tsctl  # noqa: E402
-
-from handlers.ladder.decisions import DIRECTORY as MEASURED  # noqa: E402
-
-PORT_SHIFT = 22000  # away from the shipped ports, the tests (+10000 ... +17000) and bench_e2e (+20000)
+PORT_SHIFT = 22000  # away from the shipped ports, the tests (+10000 ... +17000) and benchmarks.e2e (+20000)
 MODEL = "minilm"
 
 
@@ -62,8 +56,8 @@ class LiveClients:
     """``count`` clients that send texts of mixed lengths to the model, one after another each, until ``stop``;
     what they got in any window of time (``served``)."""
 
-    def __init__(self, server: tsctl.Server, count: int, texts: list[str]):
-        from bench_e2e import Client
+    def __init__(self, server: torchserve.Server, count: int, texts: list[str]):
+        from benchmarks.e2e import Client
 
         self._clients = [Client(server.inference_url, server.key("inference") or "") for _ in range(count)]
         self._bodies = [json.dumps({"text": text}).encode() for text in texts]
@@ -102,21 +96,21 @@ class LiveClients:
         window = [(ms, good) for ended, ms, good in list(self._answers) if start <= ended < end]
         latencies = [ms for ms, good in window if good]
         return {"req_s": round(len(latencies) / max(end - start, 1e-9), 1),
-                "p50_ms": round(bc.percentile(latencies, 50), 1) if latencies else None,
-                "p99_ms": round(bc.percentile(latencies, 99), 1) if latencies else None,
+                "p50_ms": round(harness.percentile(latencies, 50), 1) if latencies else None,
+                "p99_ms": round(harness.percentile(latencies, 99), 1) if latencies else None,
                 "failed": sum(not good for _, good in window)}
 
 
 def mixed_texts(count: int) -> list[str]:
-    """Texts of 8-96 words (bench_e2e's mixed workload), from the model's own single-token words."""
+    """Texts of 8-96 words (benchmarks.e2e's mixed workload), from the model's own single-token words."""
     import transformers
-    from bench_e2e import make_texts, single_token_words
+    from benchmarks.e2e import make_texts, single_token_words
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(package.default_model_dir()), local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(archive.default_model_dir()), local_files_only=True)
     return make_texts(single_token_words(tokenizer), "mixed", count, random.Random(0))
 
 
-def scale_up(server: tsctl.Server, args: argparse.Namespace, run_dir: Path) -> dict:
+def scale_up(server: torchserve.Server, args: argparse.Namespace, run_dir: Path) -> dict:
     """Case 2: a second worker, timed to READY; under ``args.clients`` clients when asked."""
     def add_worker() -> float:
         started = time.monotonic()
@@ -124,7 +118,7 @@ def scale_up(server: tsctl.Server, args: argparse.Namespace, run_dir: Path) -> d
                                          timeout=900)
         if status != 200:
             raise RuntimeError(f"scale-up failed: {status} {body[:200]!r}")
-        tsctl.wait_ready(server, MODEL, timeout=900, count=2)
+        torchserve.wait_ready(server, MODEL, timeout=900, count=2)
         return time.monotonic() - started
 
     row: dict = {"case": "second worker, same host"}
@@ -134,52 +128,52 @@ def scale_up(server: tsctl.Server, args: argparse.Namespace, run_dir: Path) -> d
         row["case"] += f", {args.clients} clients sending"
         with LiveClients(server, args.clients, mixed_texts(2000)) as clients:
             started = time.monotonic()
-            bc.log(f"    {args.clients} clients for {args.settle:.0f}s before the scale-up")
+            harness.log(f"    {args.clients} clients for {args.settle:.0f}s before the scale-up")
             time.sleep(args.settle)
             scaled = time.monotonic()
             row["ready_seconds"] = round(add_worker(), 1)
             before, loading = clients.served(started + 5, scaled), clients.served(scaled, time.monotonic())
         row.update({f"clients_before_{key}": value for key, value in before.items()})
         row.update({f"clients_loading_{key}": value for key, value in loading.items()})
-        bc.log(f"    clients before: {before}; while the second worker loaded: {loading}")
+        harness.log(f"    clients before: {before}; while the second worker loaded: {loading}")
     row["worker_load_seconds"] = worker_load_seconds(run_dir)[-1]
     return row
 
 
-def start_timed(config: Path, store: Path, run_dir: Path, cache: Path) -> tuple[tsctl.Server, float]:
+def start_timed(config: Path, store: Path, run_dir: Path, cache: Path) -> tuple[torchserve.Server, float]:
     env_cache = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
     started = time.monotonic()
-    server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar"], run_dir, timeout=900, extra_env=env_cache)
+    server = torchserve.start(config, store, [f"{MODEL}={MODEL}.mar"], run_dir, timeout=900, extra_env=env_cache)
     return server, time.monotonic() - started
 
 
 def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     store = tmp / "store"
-    package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
-    config = tsctl.shifted_config(tmp, PORT_SHIFT)
+    archive.build(MODEL, archive.default_model_dir(), args.config.resolve(), store)
+    config = torchserve.shifted_config(tmp, PORT_SHIFT)
     cache = tmp / "cache-host-a"
     rows = []
-    bc.log("1/4 cold start (empty compile cache)")
+    harness.log("1/4 cold start (empty compile cache)")
     server, cold = start_timed(config, store, tmp / "run-a", cache)
     rows.append({"case": "cold start", "ready_seconds": round(cold, 1),
                  "worker_load_seconds": worker_load_seconds(tmp / "run-a")[-1]})
     try:
-        bc.log("2/4 scale-up: a second worker on the same host, shared cache")
+        harness.log("2/4 scale-up: a second worker on the same host, shared cache")
         rows.append(scale_up(server, args, tmp / "run-a"))
     finally:
-        tsctl.stop(tmp / "run-a")
+        torchserve.stop(tmp / "run-a")
     volume = tmp / "cache-volume-copy"
     shutil.copytree(cache, volume)
     size_mb = sum(f.stat().st_size for f in volume.rglob("*") if f.is_file()) / 1e6
-    bc.log(f"3/4 new host: a new TorchServe with a copy of the cache ({size_mb:.1f} MB)")
+    harness.log(f"3/4 new host: a new TorchServe with a copy of the cache ({size_mb:.1f} MB)")
     server, warm = start_timed(config, store, tmp / "run-b", volume)
-    tsctl.stop(tmp / "run-b")
+    torchserve.stop(tmp / "run-b")
     rows.append({"case": "new host, cache volume", "ready_seconds": round(warm, 1),
                  "worker_load_seconds": worker_load_seconds(tmp / "run-b")[-1]})
-    bc.log(f"4/4 new host: a copy of the cache without {MEASURED}/ (what the loads measured is measured again)")
+    harness.log(f"4/4 new host: a copy of the cache without {MEASURED}/ (what the loads measured is measured again)")
     shutil.copytree(cache, tmp / "cache-volume-unmeasured", ignore=shutil.ignore_patterns(MEASURED))
     server, unmeasured = start_timed(config, store, tmp / "run-c", tmp / "cache-volume-unmeasured")
-    tsctl.stop(tmp / "run-c")
+    torchserve.stop(tmp / "run-c")
     rows.append({"case": "new host, graphs only", "ready_seconds": round(unmeasured, 1),
                  "worker_load_seconds": worker_load_seconds(tmp / "run-c")[-1]})
     if args.workers > 1:
@@ -196,18 +190,18 @@ def cold_workers(args: argparse.Namespace, tmp: Path, config: Path) -> list[dict
     """Case 5: a cold start with ``minWorkers: args.workers``, timed to the first READY worker and to the last."""
     import yaml
 
-    bc.log(f"5/5 cold start with minWorkers {args.workers} (another empty compile cache)")
-    model_yaml = bc.apply_settings(yaml.safe_load(args.config.read_text()), [f"minWorkers={args.workers}"])
+    harness.log(f"5/5 cold start with minWorkers {args.workers} (another empty compile cache)")
+    model_yaml = harness.apply_settings(yaml.safe_load(args.config.read_text()), [f"minWorkers={args.workers}"])
     (tmp / "workers.yaml").write_text(yaml.safe_dump(model_yaml, sort_keys=False))
     store = tmp / "store-workers"
-    package.build(MODEL, package.default_model_dir(), tmp / "workers.yaml", store)
+    archive.build(MODEL, archive.default_model_dir(), tmp / "workers.yaml", store)
     started = time.monotonic()
     server, first = start_timed(config, store, tmp / "run-d", tmp / "cache-workers")
     try:
-        tsctl.wait_ready(server, MODEL, timeout=900, count=args.workers)
+        torchserve.wait_ready(server, MODEL, timeout=900, count=args.workers)
         every = time.monotonic() - started
     finally:
-        tsctl.stop(tmp / "run-d")
+        torchserve.stop(tmp / "run-d")
     loads = worker_load_seconds(tmp / "run-d")  # each worker's, its wait for its turn included
     return [{"case": f"minWorkers {args.workers}, cold: first READY", "ready_seconds": round(first, 1),
              "worker_load_seconds": min(loads)},
@@ -218,37 +212,37 @@ def cold_workers(args: argparse.Namespace, tmp: Path, config: Path) -> list[dict
 def two_models(args: argparse.Namespace, tmp: Path, config: Path) -> list[dict]:
     """Case 6: this model and ``other`` (``--with-model``) started at once, cold; wall time to each one's READY."""
     other = "other"
-    bc.log(f"6/6 cold start of {MODEL} and {other} ({args.with_model}) at once (another empty compile cache)")
+    harness.log(f"6/6 cold start of {MODEL} and {other} ({args.with_model}) at once (another empty compile cache)")
     store = tmp / "store"  # this model's archive, built for case 1, beside the other's
-    package.build(other, package.default_model_dir(), args.with_model.resolve(), store)
+    archive.build(other, archive.default_model_dir(), args.with_model.resolve(), store)
     run_dir = tmp / "run-e"
     ready: dict[str, float] = {}
     started = time.monotonic()
     done = threading.Event()
 
-    def watch(server: tsctl.Server) -> None:  # each model's READY, as it comes
+    def watch(server: torchserve.Server) -> None:  # each model's READY, as it comes
         while not done.is_set() and len(ready) < 2:
             for name in (MODEL, other):
                 try:
-                    serving = any(w.get("status") == "READY" for w in tsctl.workers(server, name))
+                    serving = any(w.get("status") == "READY" for w in torchserve.workers(server, name))
                 except (OSError, ValueError, KeyError):  # not up yet: no key file, no answer
                     serving = False
                 if name not in ready and serving:
                     ready[name] = round(time.monotonic() - started, 1)
             time.sleep(0.2)
 
-    server = tsctl.server_for(config, run_dir)  # the ports; the key file is read once the server writes it
+    server = torchserve.server_for(config, run_dir)  # the ports; the key file is read once the server writes it
     watcher = threading.Thread(target=watch, args=(server,), daemon=True)
     watcher.start()
     try:
-        tsctl.start(config, store, [f"{MODEL}={MODEL}.mar", f"{other}={other}.mar"], run_dir, timeout=900,
+        torchserve.start(config, store, [f"{MODEL}={MODEL}.mar", f"{other}={other}.mar"], run_dir, timeout=900,
                     extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp / "cache-two")})
         watcher.join(timeout=5)
     finally:
         done.set()
-        tsctl.stop(run_dir)
+        torchserve.stop(run_dir)
     loads = {name: worker_load_seconds(run_dir, name)[-1] for name in (MODEL, other)}
-    bc.log(f"    READY after (s): {ready}; each worker's load (its wait for its turn included): {loads}")
+    harness.log(f"    READY after (s): {ready}; each worker's load (its wait for its turn included): {loads}")
     first, second = sorted(ready, key=ready.get)
     return [{"case": f"{MODEL} and {other} at once, cold: first READY ({first})", "ready_seconds": ready[first],
              "worker_load_seconds": loads[first]},
@@ -257,9 +251,10 @@ def two_models(args: argparse.Namespace, tmp: Path, config: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=bc.REPO / "model_configs" / "minilm-embeddings.yaml")
-    parser.add_argument("--out", type=Path, default=bc.DEFAULT_OUT)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.restart", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=harness.REPO / "model_configs" / "minilm-embeddings.yaml")
+    parser.add_argument("--out", type=Path, default=harness.DEFAULT_OUT)
     parser.add_argument("--workers", type=int, default=1,
                         help="above 1: also a cold start with this minWorkers (first and last worker READY)")
     parser.add_argument("--clients", type=int, default=0,
@@ -269,7 +264,7 @@ def main() -> None:
     parser.add_argument("--with-model", type=Path, default=None, metavar="CONFIG",
                         help="also a cold start of this model and another (this model YAML) at once")
     args = parser.parse_args()
-    header = bc.run_header(args)
+    header = harness.run_header(args)
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         try:
             rows = measure(args, Path(tmp))
@@ -279,16 +274,16 @@ def main() -> None:
                 if log.is_file():
                     args.out.mkdir(parents=True, exist_ok=True)
                     shutil.copy(log, args.out / f"restart-{run}-model_log.log")
-    bc.write_json(args.out / "restart.json", {"header": header, "rows": rows})
-    bc.write_csv(args.out / "restart.csv", rows)
-    bc.write_plot(args.out / "restart.png", "Time to READY (s): cold vs warm", [r["case"] for r in rows],
+    harness.write_json(args.out / "restart.json", {"header": header, "rows": rows})
+    harness.write_csv(args.out / "restart.csv", rows)
+    harness.write_plot(args.out / "restart.png", "Time to READY (s): cold vs warm", [r["case"] for r in rows],
                   [("seconds to READY", {"TorchServe": [r["ready_seconds"] for r in rows]})])
-    print(bc.markdown_table(["case", "READY after (s)", "worker load (s)", "vs cold"],
+    print(harness.markdown_table(["case", "READY after (s)", "worker load (s)", "vs cold"],
                             [[r["case"], r["ready_seconds"], r["worker_load_seconds"], r["vs_cold"]]
                              for r in rows]))
     if args.clients:
         row = rows[1]
-        print(bc.markdown_table(
+        print(harness.markdown_table(
             ["clients", "req/s", "p50 / p99 ms", "failed"],
             [[when, row[f"clients_{key}_req_s"], f"{row[f'clients_{key}_p50_ms']} / {row[f'clients_{key}_p99_ms']}",
               row[f"clients_{key}_failed"]] for when, key in (("before the scale-up", "before"),

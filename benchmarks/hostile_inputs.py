@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Send every kind of bad request to a served pt2-handlers model and check that each one fails alone.
 
 All the cases and a few good requests go out at the same moment, so TorchServe batches bad requests with good ones.
@@ -7,8 +6,8 @@ server's ``max_request_size`` gets TorchServe's bare 413, because the frontend r
 Each good neighbour must get the answer it gets when sent alone, the worker must still be the same process, and a
 good request afterwards must get the same answer as before.
 
-  .venv/bin/python scripts/hostile_inputs.py --model minilm       # against the server scripts/start.sh started
-  .venv/bin/python scripts/hostile_inputs.py --markdown           # docs/tasks/errors.md's table, from the cases below
+  .venv/bin/python -m benchmarks.hostile_inputs --model minilm   # against the server scripts/start.sh started
+  .venv/bin/python -m benchmarks.hostile_inputs --markdown       # docs/tasks/errors.md's table, from the cases below
 
 The integration tests run ``check`` against every task's archive (tests/test_torchserve.py).
 """
@@ -28,9 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import tsctl  # noqa: E402
+from handlers.serving import server as torchserve
 
 DEFAULT_MAX_REQUEST_SIZE = 6553500  # TorchServe's, when config.properties does not set max_request_size
 QA_CONTEXT = "The quick brown fox lives in Paris and jumps over the lazy dog every morning."
@@ -175,7 +172,7 @@ class Outcome:
 EXPECT_CONTINUE_FROM = 1 << 20  # bodies from 1 MiB ask first, as curl does
 
 
-def send(server: tsctl.Server, model: str, body: bytes, content_type: str | None, path: str = "") -> Answer:
+def send(server: torchserve.Server, model: str, body: bytes, content_type: str | None, path: str = "") -> Answer:
     if len(body) >= EXPECT_CONTINUE_FROM:
         return send_expecting_continue(server, model, body, content_type)
     try:
@@ -185,7 +182,7 @@ def send(server: tsctl.Server, model: str, body: bytes, content_type: str | None
         return None, str(exc).encode()
 
 
-def send_expecting_continue(server: tsctl.Server, model: str, body: bytes, content_type: str | None) -> Answer:
+def send_expecting_continue(server: torchserve.Server, model: str, body: bytes, content_type: str | None) -> Answer:
     """POST with ``Expect: 100-continue``: the server may refuse the body (413) before it is sent. Without it,
     TorchServe answers 413 and resets the connection while the client is still sending, so the client sees only
     the reset."""
@@ -241,14 +238,14 @@ def close(a: Any, b: Any, tolerance: float = TOLERANCE["float32"]) -> bool:
     return a == b
 
 
-def describe(server: tsctl.Server, model: str) -> dict[str, Any]:
+def describe(server: torchserve.Server, model: str) -> dict[str, Any]:
     status, raw = server.management("GET", f"/models/{model}?customized=true")
     if status != 200:
         raise RuntimeError(f"describe {model}: {status} {raw[:200]!r}")
     return json.loads(raw)[0]
 
 
-def at_once(server: tsctl.Server, model: str, requests: list[Request]) -> list[Answer]:
+def at_once(server: torchserve.Server, model: str, requests: list[Request]) -> list[Answer]:
     """Send every request at the same moment (one thread each), so TorchServe batches them together."""
     barrier = threading.Barrier(len(requests))
     results: list[Answer] = [(None, b"")] * len(requests)
@@ -268,7 +265,7 @@ def at_once(server: tsctl.Server, model: str, requests: list[Request]) -> list[A
 GOOD_TEXTS = ("Where does the fox live?", "The weather in Paris is mild today.", "Once upon a time")
 
 
-def check(server: tsctl.Server, model: str, max_request_size: int = DEFAULT_MAX_REQUEST_SIZE) -> dict[str, Any]:
+def check(server: torchserve.Server, model: str, max_request_size: int = DEFAULT_MAX_REQUEST_SIZE) -> dict[str, Any]:
     """Run every case against ``model`` with good neighbours. Returns the outcomes and the problems found
     (an empty ``problems`` list: the model passed)."""
     before = describe(server, model)
@@ -319,18 +316,19 @@ def markdown(max_request_size: int = DEFAULT_MAX_REQUEST_SIZE) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hostile_inputs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", help="a registered model (repeat for several)")
-    parser.add_argument("--config", type=Path, default=tsctl.DEFAULT_CONFIG, help="the server's config.properties")
-    parser.add_argument("--run-dir", type=Path, default=tsctl.DEFAULT_RUN_DIR, help="where its key_file.json is")
+    parser.add_argument("--config", type=Path, default=torchserve.DEFAULT_CONFIG, help="the server's config.properties")
+    parser.add_argument("--run-dir", type=Path, default=torchserve.DEFAULT_RUN_DIR, help="where its key_file.json is")
     parser.add_argument("--markdown", action="store_true", help="print the table of cases and exit")
     args = parser.parse_args()
-    props = tsctl.read_properties(args.config)
+    props = torchserve.read_properties(args.config)
     max_request_size = int(props.get("max_request_size", DEFAULT_MAX_REQUEST_SIZE))
     if args.markdown:
         print(markdown(max_request_size))
         return
-    server = tsctl.server_for(args.config, args.run_dir.resolve())
+    server = torchserve.server_for(args.config, args.run_dir.resolve())
     failed = False
     for model in args.model or ["minilm"]:
         report = check(server, model, max_request_size)

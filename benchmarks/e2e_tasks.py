@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Per task, end to end through one TorchServe on loopback (token auth on): the shipped model YAML (compile at
 load) vs the same archive served eagerly (``ladder: [eager]``, compile off), side by side in one run.
 
@@ -8,10 +7,10 @@ workload's bodies, cycled) in --rounds rounds that alternate which model goes fi
 checked equal first. text-generation also streams --streams requests per model at concurrency 1: time to first
 token and decode tokens/s as a client reads them from the chunked response.
 
-    .venv/bin/python scripts/bench_e2e_tasks.py [--tasks ...] [--requests 40] [--concurrency 1 4] \
+    .venv/bin/python -m benchmarks.e2e_tasks [--tasks ...] [--requests 40] [--concurrency 1 4] \
         [--cache-dir .cache/inductor]
 
-Ports: the shipped ones + --port-shift (default 22000), clear of a dev server, the tests and bench_e2e.py.
+Ports: the shipped ones + --port-shift (default 22000), clear of a dev server, the tests and benchmarks.e2e.
 """
 
 from __future__ import annotations
@@ -19,16 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import package
-import tsctl
 import yaml
-from bench_common import (
+
+from benchmarks.e2e import Client, send_all
+from benchmarks.harness import (
     DEFAULT_OUT,
     REPO,
     log,
@@ -39,14 +37,16 @@ from bench_common import (
     write_json,
     write_plot,
 )
-from bench_e2e import Client, send_all
-from bench_tasks import TASK_MODELS, check_agreement, model_dir, workloads
+from benchmarks.tasks import TASK_MODELS, check_agreement, model_dir, workloads
+from handlers.serving import archive
+from handlers.serving import server as torchserve
 
 VARIANTS = ("shipped", "eager")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e_tasks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(TASK_MODELS), choices=list(TASK_MODELS))
     parser.add_argument("--requests", type=int, default=40, help="timed requests per model per cell")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
@@ -68,13 +68,13 @@ def package_variants(task: str, args: argparse.Namespace, store: Path, work: Pat
     raw["pt2_handlers"]["ladder"] = ["eager"]
     eager = work / f"{task}-eager.yaml"
     eager.write_text(yaml.safe_dump(raw))
-    names = {"shipped": f"bench-{task}", "eager": f"bench-{task}-eager"}  # not token-*: see package.check_name
+    names = {"shipped": f"bench-{task}", "eager": f"bench-{task}-eager"}  # not token-*: see archive.check_name
     for variant, config in (("shipped", shipped), ("eager", eager)):
-        package.build(names[variant], model_dir(task, args.models), config, store)
+        archive.build(names[variant], model_dir(task, args.models), config, store)
     return names
 
 
-def answers(server: tsctl.Server, model: str, bodies: list[Any]) -> list[Any]:
+def answers(server: torchserve.Server, model: str, bodies: list[Any]) -> list[Any]:
     client = Client(server.inference_url, server.key("inference"), timeout=300)
     try:
         return [json.loads(client.post(f"/predictions/{model}", json.dumps(body).encode())[1]) for body in bodies]
@@ -82,7 +82,7 @@ def answers(server: tsctl.Server, model: str, bodies: list[Any]) -> list[Any]:
         client.close()
 
 
-def stream_once(server: tsctl.Server, model: str, body: dict[str, Any]) -> dict[str, float]:
+def stream_once(server: torchserve.Server, model: str, body: dict[str, Any]) -> dict[str, float]:
     """One streamed request: ms to the first token line, and tokens/s from the first token line to the last."""
     import http.client
     from urllib.parse import urlsplit
@@ -100,7 +100,7 @@ def stream_once(server: tsctl.Server, model: str, body: dict[str, Any]) -> dict[
             "tokens_per_s": (len(arrivals) - 1) / decode if decode > 0 else float("nan")}
 
 
-def bench_task(server: tsctl.Server, task: str, names: dict[str, str], args: argparse.Namespace) -> list[dict]:
+def bench_task(server: torchserve.Server, task: str, names: dict[str, str], args: argparse.Namespace) -> list[dict]:
     for variant in VARIANTS:
         status, body = server.management(
             "POST", f"/models?url={names[variant]}.mar&initial_workers=1&synchronous=true", timeout=args.timeout)
@@ -127,7 +127,7 @@ def bench_task(server: tsctl.Server, task: str, names: dict[str, str], args: arg
     return rows
 
 
-def describe(server: tsctl.Server, name: str, attempts: int = 5) -> dict[str, Any]:
+def describe(server: torchserve.Server, name: str, attempts: int = 5) -> dict[str, Any]:
     """Our describe metadata. Retried: TorchServe 0.12 now and then answers 400 ("Failed to update key file")."""
     for attempt in range(attempts):
         status, raw = server.management("GET", f"/models/{name}?customized=true")
@@ -138,7 +138,7 @@ def describe(server: tsctl.Server, name: str, attempts: int = 5) -> dict[str, An
     raise SystemExit(f"describe {name} kept failing")
 
 
-def run_cell(server: tsctl.Server, names: dict[str, str], bodies: list[Any], concurrency: int,
+def run_cell(server: torchserve.Server, names: dict[str, str], bodies: list[Any], concurrency: int,
              args: argparse.Namespace) -> dict[str, Any]:
     """Both variants, --requests each, in alternating rounds: p50/p90 ms, req/s and errors per variant."""
     merged: dict[str, dict[str, Any]] = {v: {"latencies": [], "errors": [], "seconds": 0.0} for v in VARIANTS}
@@ -163,7 +163,7 @@ def run_cell(server: tsctl.Server, names: dict[str, str], bodies: list[Any], con
     return row
 
 
-def stream_row(server: tsctl.Server, task: str, names: dict[str, str], optimization: dict, args) -> dict[str, Any]:
+def stream_row(server: torchserve.Server, task: str, names: dict[str, str], optimization: dict, args) -> dict[str, Any]:
     body = {"text": "serving compiled models in production keeps", "max_new_tokens": 64}
     runs: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
     for variant in VARIANTS:
@@ -183,7 +183,7 @@ def stream_row(server: tsctl.Server, task: str, names: dict[str, str], optimizat
     return row
 
 
-def wait_for_management(server: tsctl.Server, timeout: float) -> None:
+def wait_for_management(server: torchserve.Server, timeout: float) -> None:
     """The key file exists before the management API listens: poll it until it answers."""
     deadline = time.monotonic() + timeout
     while True:
@@ -201,21 +201,20 @@ def main() -> None:
     args = parse_args()
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-e2e-tasks-inductor-"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(REPO))
     header = run_header(args, {"inductor_cache": str(cache)})
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-tasks-"))
     store = work / "model_store"
     names = {task: package_variants(task, args, store, work) for task in args.tasks}
     run_dir = work / "run"
-    server = tsctl.start(tsctl.shifted_config(work, args.port_shift), store, [], run_dir, args.timeout,
-                         extra_env={"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve())})
+    server = torchserve.start(torchserve.shifted_config(work, args.port_shift), store, [], run_dir, args.timeout,
+                              extra_env={"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve())})
     rows = []
     try:
         wait_for_management(server, args.timeout)
         for task in args.tasks:
             rows += bench_task(server, task, names[task], args)
     finally:
-        tsctl.stop(run_dir)
+        torchserve.stop(run_dir)
     request_rows = [r for r in rows if "speedup_rps" in r]
     table = markdown_table(
         ["task", "workload", "concurrency", "rung (dtype)", "eager req/s", "shipped req/s", "speedup",

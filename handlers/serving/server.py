@@ -1,11 +1,13 @@
-#!/usr/bin/env python3
-"""Start, wait for and stop a TorchServe for pt2-handlers, with token auth on.
+"""Start, wait for and stop a TorchServe for pt2-handlers, with token auth on: ``python -m handlers start|stop``.
 
 ``start`` runs ``torchserve --start`` inside a run directory (key_file.json, logs/ and the pid file
 land there, so several servers never share state), waits until every model has a READY worker, then
 prints how to call it. It never prints a key: the commands it shows read the key from the file.
 
-Used by scripts/start.sh, scripts/stop.sh, scripts/run.sh and the integration tests.
+The defaults are relative to the current directory, the project's root: model_configs/config.properties,
+model_store/ and .run/. Used by ``python -m handlers`` (and scripts/start.sh, scripts/stop.sh, scripts/run.sh),
+the management commands (handlers/serving/management.py), the benchmarks and the integration tests. It runs the
+``torchserve`` command beside this Python; it never imports TorchServe.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from email.message import Message
 from pathlib import Path
 from urllib import error, request
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_RUN_DIR = REPO / ".run"
-DEFAULT_CONFIG = REPO / "model_configs" / "config.properties"
+DEFAULT_RUN_DIR = Path(".run")
+DEFAULT_CONFIG = Path("model_configs") / "config.properties"
+DEFAULT_MODEL_STORE = Path("model_store")
+DEFAULT_CACHE_DIR = Path(".cache") / "inductor"  # the compile cache a started server's workers share
+DEFAULT_MODELS = ("minilm=minilm.mar",)
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ def server_env(run_dir: Path, extra: dict[str, str] | None = None) -> dict[str, 
         TRANSFORMERS_OFFLINE="1",
         TMPDIR=str(run_dir / "tmp"),  # TorchServe keeps its pid file in the temp dir
     )
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR.resolve()))  # the server runs in run_dir
     env.update(extra or {})
     return env
 
@@ -173,12 +177,13 @@ def start(config: Path, model_store: Path, models: list[str], run_dir: Path, tim
 
 
 PATH_KEYS = ("metrics_config",)  # relative to where torchserve starts in the shipped configs: .run/
-SHIPPED_RUN_DIR = DEFAULT_RUN_DIR
+SHIPPED_RUN_DIR = DEFAULT_RUN_DIR  # under the current directory, as the defaults are
 
 
 def with_absolute_paths(config: Path, run_dir: Path) -> Path:
-    """``config`` as TorchServe reads it from ``run_dir``: relative paths in it were written for .run/ (where the
-    README and scripts/start.sh start TorchServe), so a server started elsewhere gets a copy with them absolute."""
+    """``config`` as TorchServe reads it from ``run_dir``: relative paths in it were written for .run/ (where
+    ``python -m handlers start`` starts TorchServe by default), so a server started elsewhere gets a copy with them
+    absolute."""
     text = config.read_text()
     absolute = re.sub(rf"^({'|'.join(PATH_KEYS)})=(?!/)(.+)$",
                       lambda m: f"{m[1]}={(SHIPPED_RUN_DIR / m[2].strip()).resolve()}", text, flags=re.MULTILINE)
@@ -332,36 +337,57 @@ def stop(run_dir: Path, timeout: float = 30) -> None:
 def usage_hint(server: Server, name: str) -> str:
     key = f"$(python3 -c 'import json;print(json.load(open(\"{server.key_file}\"))[\"inference\"][\"key\"])')"
     mkey = key.replace('"inference"', '"management"')
+    run_dir = "" if server.run_dir == DEFAULT_RUN_DIR.resolve() else f" --run-dir {shlex.quote(str(server.run_dir))}"
     return "\n".join([
         "Call it (the keys stay in the key file; these commands read them):",
         f'  curl -s -H "Authorization: Bearer {key}" \\',
         "       -H 'Content-Type: application/json' -d '{\"text\": \"hello world\"}' \\",
         f"       {server.inference_url}/predictions/{name}",
         f'  curl -s -H "Authorization: Bearer {mkey}" "{server.management_url}/models/{name}?customized=true"',
-        "Stop it: scripts/stop.sh",
+        f"Stop it: python -m handlers stop{run_dir}",
     ])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    start_p = sub.add_parser("start", help="torchserve --start, then wait until READY")
-    start_p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    start_p.add_argument("--model-store", type=Path, default=REPO / "model_store")
-    start_p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+# --- the command line: python -m handlers [--config ...] [--run-dir ...] start|stop ---
+
+
+def add_server_options(parser: argparse.ArgumentParser, in_command: bool = False) -> None:
+    """--config and --run-dir, which name the server (``args.server_config``, ``args.run_dir``). ``python -m handlers``
+    takes them before the command, and each server command (``in_command``) after it too; there they default to
+    nothing, so a value given before the command stays unless given again."""
+    for flag, dest, default, says in (
+            ("--config", "server_config", DEFAULT_CONFIG, "the server's config.properties"),
+            ("--run-dir", "run_dir", DEFAULT_RUN_DIR, "where its key_file.json, logs and pid file are")):
+        parser.add_argument(flag, dest=dest, type=Path, default=argparse.SUPPRESS if in_command else default,
+                            metavar=flag.removeprefix("--").upper(), help=f"{says} (default: {default})")
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """``start`` and ``stop``."""
+    start_p = commands.add_parser(
+        "start", help="start TorchServe (token auth on) and wait until each model is READY",
+        description="Run torchserve --start in --run-dir (its key file, logs and pid file land there), wait until each "
+                    "model has a READY worker, then print how to call it. It never prints a key.")
+    add_server_options(start_p, in_command=True)
+    start_p.add_argument("--model-store", type=Path, default=DEFAULT_MODEL_STORE,
+                         help="where the archives are (default: %(default)s)")
     start_p.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
-    start_p.add_argument("models", nargs="*", default=["minilm=minilm.mar"])
-    stop_p = sub.add_parser("stop", help="torchserve --stop")
-    stop_p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
-    args = parser.parse_args()
-    if args.command == "stop":
-        stop(args.run_dir.resolve())
-        return
-    server = start(args.config.resolve(), args.model_store.resolve(), args.models, args.run_dir.resolve(),
+    start_p.add_argument("models", nargs="*", default=list(DEFAULT_MODELS),
+                         help="NAME=ARCHIVE, e.g. minilm=minilm.mar (the default)")
+    start_p.set_defaults(run=run_start)
+    stop_p = commands.add_parser("stop", help="stop the TorchServe started in --run-dir (torchserve --stop)")
+    add_server_options(stop_p, in_command=True)
+    stop_p.set_defaults(run=run_stop)
+
+
+def run_start(args: argparse.Namespace) -> int:
+    server = start(args.server_config.resolve(), args.model_store.resolve(), args.models, args.run_dir.resolve(),
                    args.timeout)
     for model in args.models:
         print(usage_hint(server, model.split("=", 1)[0]))
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+def run_stop(args: argparse.Namespace) -> int:
+    stop(args.run_dir.resolve())
+    return 0

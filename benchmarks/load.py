@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Load time of model YAMLs through the engine (no TorchServe), cold compile cache, this checkout against another.
 
 Each load runs in its own process with an empty inductor cache, so every compile is cold, as on a new host. With
@@ -6,8 +5,8 @@ Each load runs in its own process with an empty inductor cache, so every compile
 load with that checkout's ``handlers`` too, interleaved round by round, so the two are compared on the same
 machine state. Prints progress, the ladder attempts of each load, and writes CSV + PNG.
 
-    .venv/bin/python scripts/make_test_models.py minilm-ner minilm-qa
-    .venv/bin/python scripts/bench_load.py --model minilm-ner=model_configs/minilm-token-classification.yaml \\
+    .venv/bin/python -m tests.tiny_models minilm-ner minilm-qa
+    .venv/bin/python -m benchmarks.load --model minilm-ner=model_configs/minilm-token-classification.yaml \\
         --model minilm-qa=model_configs/minilm-question-answering.yaml --baseline /tmp/before --rounds 2
 """
 
@@ -22,14 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))
+from benchmarks import harness
+from benchmarks.harness import REPO
+from tests import tiny_models
 
-import bench_common as bc  # noqa: E402
-import make_test_models  # noqa: E402
-
-# Runs in the child, with the checkout under test first on sys.path: prints one JSON line.
+# Runs in the child, with the checkout under test first on sys.path (PYTHONPATH, and its directory): prints one JSON
+# line.
 LOAD = """
 import json, sys, time, yaml, torch
 from pathlib import Path
@@ -63,37 +60,38 @@ def attempts_text(attempts: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", required=True, metavar="NAME=YAML",
-                        help="a scripts/make_test_models.py model (or minilm) and its model YAML; repeat")
+                        help="a tests/tiny_models.py model (or minilm) and its model YAML; repeat")
     parser.add_argument("--baseline", type=Path, help="another checkout whose handlers load the same YAMLs")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO / "bench_results" / "load")
     args = parser.parse_args()
-    header = bc.run_header(args)
+    header = harness.run_header(args)
     sources = {"this checkout": REPO} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     rows = []
     for round_index in range(args.rounds):
         for spec in args.model:
             name, _, config = spec.partition("=")
-            model_dir = make_test_models.minilm_dir() if name == "minilm" else make_test_models.build(name)
+            model_dir = tiny_models.minilm_dir() if name == "minilm" else tiny_models.build(name)
             for label, src in sources.items():
-                bc.log(f"round {round_index + 1}/{args.rounds}: {name} with {label} ...")
+                harness.log(f"round {round_index + 1}/{args.rounds}: {name} with {label} ...")
                 result = load_once(src, (REPO / config).resolve(), model_dir)
-                bc.log(f"  READY in {result['load_seconds']:.1f}s on {result['active']} ({result['dtype']}): "
+                harness.log(f"  READY in {result['load_seconds']:.1f}s on {result['active']} ({result['dtype']}): "
                        f"{attempts_text(result['attempts'])}")
                 rows.append({"round": round_index + 1, "model": name, "code": label,
                              "load_seconds": result["load_seconds"], "active": result["active"],
                              "dtype": result["dtype"], "attempts": attempts_text(result["attempts"])})
     args.out.mkdir(parents=True, exist_ok=True)
-    bc.write_json(args.out / "header.json", header)
-    bc.write_csv(args.out / "load.csv", rows)
+    harness.write_json(args.out / "header.json", header)
+    harness.write_csv(args.out / "load.csv", rows)
     names = list(dict.fromkeys(row["model"] for row in rows))
     series = {label: [min(r["load_seconds"] for r in rows if r["model"] == n and r["code"] == label) for n in names]
               for label in sources}
-    bc.write_plot(args.out / "load.png", "cold load, empty compile cache (best of rounds)", names,
+    harness.write_plot(args.out / "load.png", "cold load, empty compile cache (best of rounds)", names,
                   [("seconds to READY", series)])
-    print(bc.markdown_table(["model", "code", "load s", "serves", "attempts"],
+    print(harness.markdown_table(["model", "code", "load s", "serves", "attempts"],
                             [[r["model"], r["code"], r["load_seconds"], f"{r['active']} ({r['dtype']})",
                               r["attempts"]] for r in rows]))
     return 0

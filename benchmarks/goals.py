@@ -1,22 +1,23 @@
-#!/usr/bin/env python3
-"""Issue 19's speed goals, checked in one command: its benchmarks run on this machine, each goal met or missed.
+"""The speed goals, checked in one command: their benchmarks run on this machine, each goal met or missed.
 
 Why: the goals are read off three benchmarks (the model alone, end to end through TorchServe beside the stock-style
 baseline and the Infinity embedding server, a lone request's parts), each with its own command and table. This runs
 them as docs/performance.md quotes them, one after the other, then says for every goal what this run measured, the
 bound, and whether it was met, with the CPU's flags:
 
-    .venv/bin/python scripts/bench_goals.py [--out bench_results/goals] [--no-peers] [--from DIR]
+    .venv/bin/python -m benchmarks.goals [--out bench_results/goals] [--no-peers] [--from DIR]
 
-    bench_model.py     eager fp32, the float rung (bf16 frozen where the CPU has bf16, else fp32 frozen), the int8
-                       rung's form, ONNX Runtime fp32 and int8: 40 timed calls x 5 rounds at 1 and 8 texts of 16 and
-                       128 tokens
-    bench_e2e.py       the default and the int8 archive, the baseline and (unless --no-peers) Infinity's torch and
-                       ONNX Runtime engines: short texts, ~120 tokens and mixed lengths, 1 and 16 clients
-    bench_overhead.py  a lone short request back to back, for each archive: client, TorchServe, handle(), forward
+    benchmarks.model     eager fp32, the float rung (bf16 frozen where the CPU has bf16, else fp32 frozen), the int8
+                         rung's form, ONNX Runtime fp32 and int8: 40 timed calls x 5 rounds at 1 and 8 texts of 16
+                         and 128 tokens
+    benchmarks.e2e       the default and the int8 archive, the baseline and (unless --no-peers) Infinity's torch and
+                         ONNX Runtime engines: short texts, ~120 tokens and mixed lengths, 1 and 16 clients
+    benchmarks.overhead  a lone short request back to back, for each archive: client, TorchServe, handle(), forward
+
+Each runs as ``python -m benchmarks.NAME`` from the repository's root, as docs/performance.md quotes it.
 
 Which goals apply depends on the CPU. The speed-ups, p99 below the baseline's and the model-alone bounds are goals
-where it has bf16 and int8 dot products (avx512_bf16 with VNNI, or AMX), as the issue sets them; elsewhere they are
+where it has bf16 and int8 dot products (avx512_bf16 with VNNI, or AMX), the CPUs they are set for; elsewhere they are
 reported against no goal. The rest (the peers, a lone request, the answers within the gate) are goals everywhere.
 ``--from DIR`` reads an earlier run's outputs (model.json, e2e.json, overhead-default.csv, overhead-int8.csv) instead
 of running anything.
@@ -39,11 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import CPU_ISA_FLAGS, DEFAULT_OUT, REPO, cpu_isa, log, markdown_table, write_csv, write_plot
+from benchmarks.harness import CPU_ISA_FLAGS, DEFAULT_OUT, REPO, cpu_isa, log, markdown_table, write_csv, write_plot
 
 DEFAULT_CONFIG = REPO / "model_configs" / "minilm-embeddings.yaml"
 INT8_CONFIG = REPO / "model_configs" / "minilm-embeddings-int8.yaml"
-OURS = "minilm"  # bench_e2e.py's name for the default archive; the int8 archive is served as INT8
+OURS = "minilm"  # benchmarks.e2e's name for the default archive; the int8 archive is served as INT8
 INT8 = "int8"
 BASELINE = "baseline"
 PEERS = ("infinity-torch", "infinity-optimum")
@@ -89,12 +90,12 @@ class Goal:
 
 
 def int8_dot_products_and_bf16(isa: Sequence[str]) -> bool:
-    """The CPUs the issue sets its speed goals for: bf16 and int8 dot products (AVX512-BF16 with VNNI, or AMX)."""
+    """The CPUs the speed goals are set for: bf16 and int8 dot products (AVX512-BF16 with VNNI, or AMX)."""
     return ("avx512_bf16" in isa and "avx512_vnni" in isa) or ("amx_bf16" in isa and "amx_int8" in isa)
 
 
 def model_variants(isa: Sequence[str]) -> list[str]:
-    """bench_model.py's variants for this CPU: the float and int8 rungs as the archives build them here."""
+    """benchmarks.model's variants for this CPU: the float and int8 rungs as the archives build them here."""
     bf16 = "avx512_bf16" in isa or "amx_bf16" in isa
     return ["eager-fp32", "compile-dynamic-bf16-frozen" if bf16 else "compile-dynamic-fp32-frozen",
             "pt2e-static-int8-bf16-measured-cpp" if bf16 else "pt2e-static-int8-measured-cpp",
@@ -104,15 +105,14 @@ def model_variants(isa: Sequence[str]) -> list[str]:
 def commands(out: Path, isa: Sequence[str], peers: bool) -> dict[str, list[str]]:
     """The benchmarks' command lines, as docs/performance.md quotes them, writing under ``out``."""
     python = sys.executable
-    scripts = REPO / "scripts"
     threads = str(len(os.sched_getaffinity(0)))
-    e2e = [python, str(scripts / "bench_e2e.py"), "--workloads", "short", "uniform", "mixed", "--concurrency", "1",
+    e2e = [python, "-m", "benchmarks.e2e", "--workloads", "short", "uniform", "mixed", "--concurrency", "1",
            "16", "--requests", "120", "--extra-archive", f"{INT8}={INT8_CONFIG}", "--out", str(out / "e2e")]
     if peers:
-        e2e[2:2] = ["--peers", *PEERS]
-    overhead = [python, str(scripts / "bench_overhead.py"), "--warmup", "1000", "--requests", "200"]
+        e2e[3:3] = ["--peers", *PEERS]
+    overhead = [python, "-m", "benchmarks.overhead", "--warmup", "1000", "--requests", "200"]
     return {
-        "model": [python, str(scripts / "bench_model.py"), "--threads", threads, "--iters", "40", "--rounds", "5",
+        "model": [python, "-m", "benchmarks.model", "--threads", threads, "--iters", "40", "--rounds", "5",
                   "--batch-sizes", "1", "8", "--seq-lengths", "16", "128", "--variants", *model_variants(isa),
                   "--out", str(out / "model")],
         "e2e": e2e,
@@ -122,7 +122,8 @@ def commands(out: Path, isa: Sequence[str], peers: bool) -> dict[str, list[str]]
 
 
 def run_all(out: Path, isa: Sequence[str], peers: bool) -> None:
-    """Each benchmark in turn; the first that fails stops the run (its output says why)."""
+    """Each benchmark in turn, from the repository's root; the first that fails stops the run (its output says
+    why)."""
     for name, command in commands(out, isa, peers).items():
         log(f"goals: {name}: {' '.join(command)}")
         started = time.perf_counter()
@@ -144,7 +145,7 @@ def read_outputs(directory: Path) -> dict[str, Any]:
         path = directory / f"{name}.json"
         return json.loads(path.read_text()) if path.is_file() else {}
 
-    def first_line(name: str) -> str | None:  # bench_overhead.py's markdown starts with its command
+    def first_line(name: str) -> str | None:  # benchmarks.overhead's markdown starts with its command
         path = directory / f"{name}.md"
         return path.read_text().partition("\n")[0] if path.is_file() else None
 
@@ -157,7 +158,7 @@ def read_outputs(directory: Path) -> dict[str, Any]:
 
 
 def evaluate(outputs: Mapping[str, Any], isa: Sequence[str]) -> list[Goal]:
-    """Every goal of issue 19 with what ``outputs`` (``read_outputs``) measured, on a CPU with these ``isa`` flags."""
+    """Every speed goal with what ``outputs`` (``read_outputs``) measured, on a CPU with these ``isa`` flags."""
     speed = int8_dot_products_and_bf16(isa)
     return [*_end_to_end(outputs["e2e"], speed), *_model_alone(outputs["model"], isa, speed),
             *_lone_request(outputs["overhead"]), *_answers(outputs["e2e"])]
@@ -238,7 +239,7 @@ def _lone_request(overhead: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
 
 
 def _lone_detail(parts: Mapping[str, Mapping[str, float]]) -> str:
-    """A lone request's p50 parts (ms), with TorchServe's floor where bench_overhead.py measured it: what a handler
+    """A lone request's p50 parts (ms), with TorchServe's floor where benchmarks.overhead measured it: what a handler
     that answers at once waits through the same TorchServe, and the batching window's share of it."""
     p50 = {part: parts.get(part, {}).get("p50_ms") for part in
            ("client", "torchserve", "forward", "worker_forward", "floor", "batching_window")}
@@ -283,14 +284,15 @@ def report(goals: Sequence[Goal], out: Path, isa: Sequence[str], source: str, co
     (out / "goals.md").write_text(f"{summary}\n\n{table}\n" + (f"\nMeasured by:\n{ran}\n" if ran else ""))
     log(f"wrote {out / 'goals.md'}")
     plotted = [goal for goal in goals if goal.margin is not None]
-    write_plot(out / "goals.png", "issue 19's goals on this CPU: margin (1 or more: met)",
+    write_plot(out / "goals.png", "the speed goals on this CPU: margin (1 or more: met)",
                [goal.label or goal.name for goal in plotted],
                [("measured vs bound", {"margin": [goal.margin for goal in plotted]})])
     return f"{summary}\n\n{table}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.goals", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "goals", help="directory for every output")
     parser.add_argument("--no-peers", action="store_true", help="leave the Infinity server out of the end-to-end run")
     parser.add_argument("--from", dest="source", type=Path,

@@ -1,7 +1,7 @@
 """One attention call, side by side: the handler's fused kernel as compiled graphs call it, the same kernel held to
 its AVX-512 path, and PyTorch's SDPA, on MiniLM's heads (12 x 32) at the benchmark shapes.
 
-    .venv/bin/python scripts/bench_attention.py --out bench_results/attention
+    .venv/bin/python -m benchmarks.attention --out bench_results/attention
 
 Why: on a CPU with AMX the kernel runs its two products on AMX tiles (handlers/cpu/fused_attention.cpp); this shows what
 that buys per call against its AVX-512 path and SDPA, with bf16 values (the bf16 rungs) and float32 values (the int8
@@ -12,20 +12,20 @@ of its blocks (a busy machine only adds time). Where the CPU has no AMX, the fir
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, run_header, write_csv, write_json, write_plot
+from benchmarks.harness import DEFAULT_OUT, OtherCpu, log, markdown_table, run_header, write_csv, write_json, write_plot
 
 HEADS, HEAD_SIZE = 12, 32  # MiniLM-L6
 PATHS = ("fused (as called)", "fused, AVX-512 path", "sdpa")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--calls", type=int, default=10, help="calls per timed block")
@@ -46,7 +46,6 @@ def heads(batch: int, length: int, dtype: Any, seed: int) -> Any:
 
 def main() -> None:
     args = parse_args()
-    sys.path.insert(0, str(REPO))
     import torch
 
     from handlers.cpu import fused_attention

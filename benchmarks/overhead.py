@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Where a lone short request's time goes: the model, our handler, and TorchServe (issue 19, item 2).
+"""Where a lone short request's time goes: the model, our handler, and TorchServe (a speed goal: benchmarks/goals.py).
 
 Why: at concurrency 1 a client waits for the whole path, not the model alone. This splits it, in one run:
 
@@ -10,8 +9,9 @@ Why: at concurrency 1 a client waits for the whole path, not the model alone. Th
     through TS   the same archive served by TorchServe on loopback (token auth on), one keep-alive client
                  sending the same lone requests one after another: what the client waits for
 
-Handler's own time = handle() - forward. In the worker, each answer's Server-Timing header (handlers/serving/server_timing.py)
-gives the same split for that very request: the worker's handler call and its forward. TorchServe's share = what the
+Handler's own time = handle() - forward. In the worker, each answer's Server-Timing header
+(handlers/serving/server_timing.py) gives the same split for that very request: the worker's handler call and its
+forward. TorchServe's share = what the
 client waited - the worker's handler call, request by request (its frontend, batching window, the socket to the
 worker, the worker's protocol code). The in-process forward is the model alone, back to back; the worker's forward
 is the same model between requests that come through TorchServe.
@@ -26,7 +26,7 @@ Both are loaded side by side, warmed up with ``--warmup`` untimed requests each,
 alternated blocks of the same requests (in process, then through TorchServe): this VM's speed drifts by up to a
 quarter within minutes, and with the two timed one after the other that drift landed in TorchServe's share.
 
-    .venv/bin/python scripts/bench_overhead.py [--config model_configs/minilm-embeddings.yaml] [--requests 300]
+    .venv/bin/python -m benchmarks.overhead [--config model_configs/minilm-embeddings.yaml] [--requests 300]
         [--warmup 30] [--blocks 4] [--words 8 16] [--skip-torchserve] [--idle-ms 100]
 
 ``--idle-ms`` sleeps that long before each timed request, in process and through TorchServe: a client whose
@@ -48,10 +48,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import package
-import tsctl
 import yaml
-from bench_common import (
+
+from benchmarks.e2e import Client, single_token_words
+from benchmarks.harness import (
     DEFAULT_OUT,
     REPO,
     OtherCpu,
@@ -63,7 +63,8 @@ from bench_common import (
     write_csv,
     write_plot,
 )
-from bench_e2e import Client, single_token_words
+from handlers.serving import archive
+from handlers.serving import server as torchserve
 
 MODEL = "overhead"
 STAGES = ("parse", "preprocess", "forward", "postprocess")
@@ -75,8 +76,9 @@ WORKER_PARTS = ("worker_handler", "worker_forward", "worker_own", "torchserve")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=package.DEFAULT_CONFIG, help="model YAML")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=archive.DEFAULT_CONFIG, help="model YAML")
     parser.add_argument("--requests", type=int, default=300, help="timed lone requests, in process and through TS")
     parser.add_argument("--warmup", type=int, default=30, help="untimed requests first")
     parser.add_argument("--words", type=int, nargs=2, default=[8, 16], metavar=("MIN", "MAX"),
@@ -96,7 +98,7 @@ def parse_args() -> argparse.Namespace:
 def make_bodies(count: int, words: tuple[int, int], seed: int = 0) -> list[bytes]:
     import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(package.default_model_dir())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(archive.default_model_dir())
     vocabulary = single_token_words(tokenizer)
     rng = random.Random(seed)
     return [json.dumps({"text": " ".join(rng.choices(vocabulary, k=rng.randint(*words)))}).encode()
@@ -104,13 +106,13 @@ def make_bodies(count: int, words: tuple[int, int], seed: int = 0) -> list[bytes
 
 
 def torchserve_context(config: Path, work: Path) -> Any:
-    """The Context a TorchServe worker hands the handler: the archive's contents (scripts/package.py's layout),
+    """The Context a TorchServe worker hands the handler: the archive's contents (handlers/serving/archive.py's layout),
     the model YAML, and TorchServe's metrics cache built from our metrics.yaml."""
     from ts.context import Context
     from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
 
     raw = yaml.safe_load(config.read_text())
-    package.stage(package.default_model_dir(), work)
+    archive.stage(archive.default_model_dir(), work)
     metrics = MetricsCacheYamlImpl(config_file_path=str(REPO / "model_configs" / "metrics.yaml"))
     metrics.initialize_cache()
     metrics.model_name = MODEL
@@ -122,7 +124,6 @@ class InProcess:
     """Our Pt2Handler under TorchServe's own Context and metrics cache, called as the worker calls it."""
 
     def __init__(self, args: argparse.Namespace, work: Path):
-        sys.path.insert(0, str(REPO))
         from handlers.serving.torchserve_handler import Pt2Handler
 
         self.context = torchserve_context(args.config, work)
@@ -170,17 +171,17 @@ class ThroughTorchServe:
 
     def __init__(self, args: argparse.Namespace, work: Path):
         store = work / "model_store"
-        package.build(MODEL, package.default_model_dir(), args.config.resolve(), store)
+        archive.build(MODEL, archive.default_model_dir(), args.config.resolve(), store)
         floors = [build_floor(name, batch_size, args.config, work, store) for name, batch_size in FLOORS.items()]
-        config = tsctl.shifted_config(work, args.port_shift, extra=args.server_set)
+        config = torchserve.shifted_config(work, args.port_shift, extra=args.server_set)
         self.run_dir = work / "run"
         started = time.monotonic()
-        server = tsctl.start(config, store, [f"{MODEL}={MODEL}.mar", *floors], self.run_dir, 900, every_worker=True)
+        server = torchserve.start(config, store, [f"{MODEL}={MODEL}.mar", *floors], self.run_dir, 900,
+                                  every_worker=True)
         log(f"TorchServe READY in {time.monotonic() - started:.0f}s")
         self.client = Client(server.inference_url, server.key("inference"))
         self.latencies: dict[str, list[float]] = {name: [] for name in (MODEL, *FLOORS)}
         self.worker: dict[str, list[float]] = {part: [] for part in WORKER_PARTS}
-        sys.path.insert(0, str(REPO))
         from handlers.serving import server_timing
 
         self.timing = server_timing
@@ -210,7 +211,7 @@ class ThroughTorchServe:
 
     def stop(self) -> None:
         self.client.close()
-        tsctl.stop(self.run_dir)
+        torchserve.stop(self.run_dir)
 
 
 def build_floor(name: str, batch_size: int | None, config: Path, work: Path, store: Path) -> str:
@@ -222,7 +223,7 @@ def build_floor(name: str, batch_size: int | None, config: Path, work: Path, sto
         batching["batchSize"] = batch_size
     floor_yaml = work / f"{name}.yaml"
     floor_yaml.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, **batching}))
-    command = [package.archiver(), "--model-name", name, "--version", "1.0", "--handler", str(FLOOR_HANDLER),
+    command = [archive.archiver(), "--model-name", name, "--version", "1.0", "--handler", str(FLOOR_HANDLER),
                "--config-file", str(floor_yaml), "--export-path", str(store), "--archive-format", "no-archive",
                "--force"]
     log(f"packaging {name} ({batching}): {' '.join(command)}")

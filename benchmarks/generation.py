@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """text-generation: time to first token and decode tokens/s, eager fp32 vs the compiled decode step, in one run.
 
 The shipped ``model_configs/tiny-llama-generation.yaml`` is loaded twice through the handler's engine (no
@@ -13,7 +12,7 @@ timed where a client would see it:
 Workloads: ``b1`` (one request) and ``b4`` (four requests of different prompt lengths in one batch; tokens/s
 counts every row's tokens). ``--new-tokens`` per request (default 64).
 
-    .venv/bin/python scripts/bench_generation.py [--rounds 10] [--new-tokens 64] [--cache-dir .cache/inductor] \
+    .venv/bin/python -m benchmarks.generation [--rounds 10] [--new-tokens 64] [--cache-dir .cache/inductor] \
         [--set KEY=VALUE ...]
 """
 
@@ -22,14 +21,13 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import (
+from benchmarks.harness import (
     DEFAULT_OUT,
     REPO,
     apply_settings,
@@ -53,11 +51,10 @@ def load_engine(eager: bool, model_dirs: Path, settings: Sequence[str] = ()) -> 
     from handlers.config import load_config
     from handlers.serving.engine import Engine
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_test_models
+    from tests import tiny_models
 
     raw = copy.deepcopy(yaml.safe_load((REPO / "model_configs" / "tiny-llama-generation.yaml").read_text()))
-    raw["pt2_handlers"]["model_dir"] = str(make_test_models.build("tiny-llama", model_dirs))
+    raw["pt2_handlers"]["model_dir"] = str(tiny_models.build("tiny-llama", model_dirs))
     if eager:
         raw["pt2_handlers"]["ladder"] = ["eager"]
     else:
@@ -88,7 +85,8 @@ def timed(engine: Any, bodies: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.generation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10, help="timed batches per engine and workload")
     parser.add_argument("--warmup", type=int, default=2, help="untimed batches per engine and workload")
     parser.add_argument("--new-tokens", type=int, default=64, help="max_new_tokens of every request")
@@ -102,7 +100,6 @@ def main() -> None:
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="bench-generation-inductor-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # before torch imports inductor
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(REPO))
     header = run_header(args, {"inductor_cache": str(cache)})
     compiled, compiled_load = load_engine(eager=False, model_dirs=args.models, settings=args.set)
     eager, eager_load = load_engine(eager=True, model_dirs=args.models)

@@ -1,10 +1,11 @@
-#!/usr/bin/env python3
 """A Python gRPC client for TorchServe's inference and management APIs, with the token as call metadata.
 
 The stubs are generated with grpcio-tools from the ``.proto`` files inside the installed TorchServe's frontend
 jar, into a cache directory keyed by TorchServe's version. They are never copied into the repository.
 
-  .venv/bin/python scripts/grpc_client.py --model minilm '{"text": "hello world"}'    # against scripts/start.sh
+  .venv/bin/python -m benchmarks.grpc_client --model minilm '{"text": "hello world"}'    # against scripts/start.sh
+
+The tests call TorchServe over gRPC with its ``Client`` (tests/test_torchserve.py, tests/test_production.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
-
-import tsctl  # noqa: E402
+from handlers.serving import server as torchserve
 
 PROTOS = ("inference.proto", "management.proto", "open_inference_grpc.proto")
 MODULES = tuple(f"{name.removesuffix('.proto')}{suffix}" for name in PROTOS for suffix in ("_pb2", "_pb2_grpc"))
@@ -75,8 +73,8 @@ class Client:
 
     @classmethod
     def for_server(cls, config: Path, run_dir: Path, key: Any = None) -> Client:
-        props = tsctl.read_properties(config)
-        server = tsctl.server_for(config, run_dir)
+        props = torchserve.read_properties(config)
+        server = torchserve.server_for(config, run_dir)
         return cls(props.get("grpc_inference_address", "127.0.0.1"), int(props.get("grpc_inference_port", 7070)),
                    int(props.get("grpc_management_port", 7071)), key or server.key)
 
@@ -146,11 +144,12 @@ def _values(datatype: str, contents: Any) -> list[Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grpc_client", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("body", help="the request body, e.g. '{\"text\": \"hello\"}'")
     parser.add_argument("--model", default="minilm")
-    parser.add_argument("--config", type=Path, default=tsctl.DEFAULT_CONFIG)
-    parser.add_argument("--run-dir", type=Path, default=tsctl.DEFAULT_RUN_DIR)
+    parser.add_argument("--config", type=Path, default=torchserve.DEFAULT_CONFIG)
+    parser.add_argument("--run-dir", type=Path, default=torchserve.DEFAULT_RUN_DIR)
     args = parser.parse_args()
     client = Client.for_server(args.config, args.run_dir.resolve())
     try:

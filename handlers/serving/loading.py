@@ -1,0 +1,193 @@
+"""One load, step by step: the model the archive carries, the task around it, the warmup batches, the rungs and
+the attention their graphs run, the ladder, and the length groups of the forward it serves.
+
+Pure torch; no TorchServe import.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from handlers.config import Attention, Choice, DType, HandlerConfig, ModuleGuards
+from handlers.config.shapes import ShapePolicy
+from handlers.cpu import features, fused_attention
+from handlers.cpu.worker_cores import WorkerCores
+from handlers.errors import ModelLoadError
+from handlers.ladder import AttemptStatus, LadderResult, Precisions, Site, Warmup, run_ladder
+from handlers.ladder.decisions import DIRECTORY, DecisionStore, fingerprint
+from handlers.ladder.guard import GuardedForward
+from handlers.ladder.inputs import Calibration
+from handlers.models.pretrained import load_pretrained, resolve_max_length
+from handlers.precision import choice
+from handlers.rungs import CompileRung, Rung, build_rungs, compile_cache
+from handlers.rungs.compile_cache import CacheDir
+from handlers.serving import length_groups
+from handlers.serving.length_groups import LengthGrouping
+from handlers.tasks import Task, calibration, check_task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Loaded:
+    """What a load made: the task, the accepted forward behind its guard, the shapes it serves, and how it got there
+    (for describe)."""
+
+    task: Task
+    guard: GuardedForward
+    shapes: ShapePolicy
+    result: LadderResult
+    dtype: Choice  # the precision served, and why
+    attention: fused_attention.Outcome
+    cache_use: dict[str, dict[str, int]]  # what the compile caches served at load
+    int8_weights: str | None = None  # int8 was tried: the range its weights took on this CPU, and why
+    notes: list[str] = field(default_factory=list)
+    lengths: LengthGrouping | None = None  # rows of mixed lengths run in groups by it (tasks of one row per text)
+
+
+class Loader:
+    """The load of one model on ``device``, in the precisions ``precisions`` names, on ``cores``; what it measures is
+    kept beside the compile ``cache`` for the next worker."""
+
+    def __init__(self, config: HandlerConfig, model_root: Path, device: torch.device, model_name: str,
+                 cache: CacheDir, precisions: Choice, cores: WorkerCores):
+        self.config = config
+        self.settings = config.settings
+        self.model_root = Path(model_root)
+        self.device = device
+        self.model_name = model_name
+        self.cache = cache
+        self.precisions: tuple[DType, ...] = precisions.value
+        self.precisions_reason = precisions.reason
+        self.cores = cores
+
+    def load(self) -> Loaded:
+        task_class = check_task(self.settings.task)
+        model_dir = self._model_dir()
+        # fp32 first: it is the reference every rung is judged against, and the eager fallback.
+        model, tokenizer = load_pretrained(model_dir, task_class.model_class, torch.float32, self.device)
+        max_length = resolve_max_length(model_dir, model, tokenizer, self.settings.max_length)
+        shapes = self.settings.shapes.fitted(max_length)
+        task = task_class(tokenizer, max_length, self.settings.max_inputs_per_request, self.model_name,
+                          self.settings.too_long, model_dir=model_dir)
+        reference = task.build_module(model)
+        batches = [self.on_device(batch) if isinstance(batch, Mapping) else batch
+                   for batch in task.warmup_batches(shapes.warmup_shapes())]
+        rungs = self._rungs()
+        attention = self._attention(model, task_class, rungs)
+        cache_before = compile_cache.use_counters()
+        int8_weights = choice.int8_weights()
+        result = run_ladder(reference, rungs, self._warmup(task_class, task, batches),
+                            self._precisions(task, shapes, batches, int8_weights),
+                            # races kept per machine and attention kernel: a changed kernel races again
+                            Site(self._decisions(), repr((self._machine(), attention.identity)),
+                                 self.cores.thread_counts()),
+                            module_guards_optional=self.settings.module_guards is ModuleGuards.AUTO)
+        cache_use = compile_cache.use_since(cache_before)
+        logger.info("compile cache %s: %s", self.cache.path, ", ".join(
+            f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
+            for cache, use in cache_use.items()))
+        served = next(rung for rung in rungs if rung.name == result.active)  # eager is always among them
+        shapes = shapes.for_served(kernels_per_shape=served.keeps_kernels_per_shape(result.dtype))
+        loaded = Loaded(task, GuardedForward(result, reference, self.settings.max_runtime_failures,
+                                             shapes.after_ready),
+                        shapes, result, Choice(result.dtype, self._why_served(result)), attention, cache_use,
+                        int8_weights.describe() if DType.INT8 in self.precisions else None,
+                        [note for rung in rungs for note in rung.notes(self.device)])
+        if task.row_outputs and shapes.length_groups:
+            loaded.lengths = self._length_groups(result, reference, batches, shapes)
+        return loaded
+
+    def on_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: tensor.to(self.device) for name, tensor in batch.items()}
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _model_dir(self) -> Path:
+        model_dir = (self.model_root / self.settings.model_dir).resolve()
+        if not model_dir.is_relative_to(self.model_root.resolve()):  # "../x" or a link out of the archive
+            raise ModelLoadError(f"pt2_handlers.model_dir {self.settings.model_dir!r} leads outside the model archive "
+                                 f"({self.model_root}); name a directory inside it, e.g. model")
+        return model_dir
+
+    def _rungs(self) -> list[Rung]:
+        no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
+        return build_rungs(self.config, self.device, compile_unavailable=no_cache,
+                           inductor_unavailable=features.cpp_compiler_problem(self.device),
+                           threads_follow=self.cores.share is not None)
+
+    def _attention(self, model: torch.nn.Module, task_class: type[Task],
+                   rungs: Sequence[Rung]) -> fused_attention.Outcome:
+        attention = fused_attention.use_in_compiled_graphs(
+            model, self.device, Path(self.cache.path) / fused_attention.DIRECTORY if self.cache.path else None,
+            wanted=self.settings.attention is Attention.AUTO, causal=task_class.facts().causal_attention,
+            backends={rung.spec.backend for rung in rungs
+                      if isinstance(rung, CompileRung) and rung.unavailable_reason() is None})
+        logger.info("attention in compiled graphs: %s", attention.summary())
+        return attention
+
+    def _warmup(self, task_class: type[Task], task: Task, batches: list[Any]) -> Warmup:
+        return Warmup(batches, lambda dtype: task_class.quality_gate(dtype, self.settings.quality_gate), task.prove)
+
+    def _precisions(self, task: Task, shapes: ShapePolicy, batches: list[Any], int8_weights: Any) -> Precisions:
+        int8 = self._int8_calibration(task, shapes, batches) if DType.INT8 in self.precisions else None
+        return Precisions(self.precisions, must_beat_fp32=_picked_by_auto(self.precisions, self.settings.dtype),
+                          calibration=int8, int8_weights=int8_weights)
+
+    def _int8_calibration(self, task: Task, shapes: ShapePolicy, warmup: list[Any]) -> Calibration:
+        """What int8 is calibrated on and judged on besides the warmup: the archive's file, or the warmup batches
+        and a vocabulary sample."""
+        relative = self.settings.int8_calibration
+        if relative is None:
+            found = calibration.held_out_sample(task, shapes.warmup_shapes(), warmup)
+        else:
+            found = calibration.from_texts(task, shapes.warmup_shapes(),
+                                           calibration.read_texts(self.model_root, relative), relative)
+        return Calibration([self.on_device(batch) for batch in found.batches],
+                           [self.on_device(batch) for batch in found.held_out], found.source, found.held_out_source)
+
+    def _decisions(self) -> DecisionStore | None:
+        return DecisionStore(Path(self.cache.path) / DIRECTORY) if self.cache.path else None
+
+    def _machine(self) -> str:
+        return features.machine(self.device, self.cores.threads.value)
+
+    def _length_groups(self, result: LadderResult, reference: torch.nn.Module, batches: list[Any],
+                       shapes: ShapePolicy) -> LengthGrouping:
+        # Kept beside the compile cache for the next worker of this forward on this machine, as the races are.
+        kept, key = self._decisions(), None
+        if kept is not None:
+            served = (result.active, result.dtype.value, repr(self.config.served_compile), shapes.describe(),
+                      self._machine())
+            weights_key = result.weights_key or fingerprint(tensors=reference.state_dict().items())
+            key = length_groups.kept_key(batches, served, weights_key)
+        return LengthGrouping.measured(result.forward, batches, self.synchronize, kept, key)
+
+    def _why_served(self, result: LadderResult) -> str:
+        """The plan's reason, and why each precision tried before the served one does not serve: it failed the
+        quality gate, or (int8) it passed but was not faster here."""
+        precisions, served = self.precisions, result.dtype
+        passed = {attempt.dtype for attempt in result.attempts if attempt.status is AttemptStatus.SLOWER}
+        turned_down = precisions[: precisions.index(served)] if served in precisions else precisions
+        failed = [p.value for p in turned_down if p.value not in passed]
+        slower = [p.value for p in turned_down if p.value in passed]
+        why = ([f"{' and '.join(failed)} failed the quality gate"] if failed else []) + (
+            [f"{' and '.join(slower)} passed the gate but was not faster here"] if slower else [])
+        return f"{self.precisions_reason}; {'; '.join(why)} (see attempts)" if why else self.precisions_reason
+
+
+def _picked_by_auto(precisions: Sequence[DType], configured: Sequence[DType]) -> tuple[DType, ...]:
+    """The half precisions that ``auto`` added, not the YAML: auto promises the fastest precision that keeps the
+    answers, so each must beat fp32 here (a Xeon whose AMX the hypervisor hides runs bf16 1.5x slower than fp32).
+    A precision named in the YAML is tried as asked."""
+    if DType.AUTO not in configured:
+        return ()
+    return tuple(p for p in precisions if p in (DType.BFLOAT16, DType.FLOAT16) and p not in configured)
