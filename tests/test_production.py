@@ -62,7 +62,7 @@ def test_the_production_config_is_deliberate():
 
 def test_the_frontend_jvm_runs_c1_only_and_the_serial_collector_in_every_shipped_config(production):
     """C2's compiler threads and G1's collector threads take cores from the worker's OpenMP threads
-    (docs/performance.md: the frontend's JIT, its garbage collector): the three shipped server configs say C1 only and
+    (docs/performance.md): the three shipped server configs say C1 only and
     the serial collector, and the running frontend's JVM got both."""
     shipped = [PRODUCTION, REPO / tsctl.DEFAULT_CONFIG, REPO / "deploy" / "k8s" / "shared" / "config.properties"]
     vmargs = {str(path.relative_to(REPO)): tsctl.read_properties(path).get("vmargs") for path in shipped}

@@ -5,9 +5,9 @@ calls per block; at BERT's head size (32-64) and a few hundred tokens the calls 
 MiniLM's int8 forward at 8 x 128 tokens, 6 attention calls took 2.66 ms each, a third of the forward. The kernel here
 runs a whole (batch, head) at once, in registers and L1, with bf16 dot products where the CPU has them and the
 inputs are bf16 already (float32 queries and keys are never rounded): about a third of SDPA's time per call; the int8
-archive served 5-25 % more at 16 clients (docs/performance.md: a fused attention kernel, and its softmax in one
-pass). On a CPU with AMX its two products run on AMX tiles, 16 queries at a time (float32 values as two bf16 halves,
-good to ~2^-16): half the AVX-512 path's time at 8 x 128 tokens; describe's ``instructions`` says which path runs.
+archive served 5-25 % more at 16 clients (docs/performance.md). On a CPU with AMX its two products run on AMX tiles, 16
+queries at a time (float32 values as two bf16 halves, good to ~2^-16): half the AVX-512 path's time at 8 x 128 tokens;
+describe's ``instructions`` says which path runs.
 
 ``use_in_compiled_graphs`` builds it with the machine's C++ compiler (kept under a build directory, beside the
 compile cache, for the next worker), registers it with torch and transformers, and points the model's attention at

@@ -2,10 +2,8 @@
 
 A forward's OpenMP threads sleep once their spin after the last forward ends, and the next forward's first parallel
 region waits for all of them. Under a hypervisor an idle virtual CPU is given up, and getting it back took ~10 ms
-on a 2-core KVM guest (docs/performance.md: a lone request after idle cores): the int8 archive's forward of one
-short text took 12-15 ms after 100 ms of idleness on 2 threads, 2-3 ms back to back, 4 ms on one thread. Through
-TorchServe, a lone short request after 100 ms of idleness: int8 23.5 ms on 2 threads, 8.3 on one; bf16 19.2 and 9.0.
-Back to back, two threads stay the faster for bf16 (6.9 against 9.1 ms), so only a forward after idleness changes.
+on a 2-core KVM guest: after 100 ms of idleness a lone short request ran about 3x as fast on one thread as on two,
+while back to back two threads stay the faster (docs/performance.md), so only a forward after idleness changes.
 
 What counts: the worker's own idleness (no forward of its own for ``idle_s``) and the batch's tokens (rows x length
 as it arrives, at most ``small_tokens``: a few short texts, where one thread costs little even with every core

@@ -9,7 +9,7 @@ cosine 0.994-0.997 vs fp32 on held-out texts, where quantizing every linear lose
 the safe start: the ladder quantizes those of its float layers that a measurement finds cheap
 (``handlers.precision.sensitivity``), some as an ``OutlierSplit``, their few largest input channels kept in float.
 Compiled with freezing, each quantize step folds into the layer before it and the int8 linears become oneDNN's
-fused ``qlinear``: twice as fast as the dynamic scheme at 8x128 tokens (docs/performance.md: PT2E static int8).
+fused ``qlinear``: twice as fast as the dynamic scheme at 8x128 tokens (docs/performance.md).
 What is not quantized runs in ``rest``: bf16 under autocast where the ladder also tries bf16, else float32.
 Weights take all of int8's range where the CPU has int8 dot products, 7 bits where it has none (``Int8Weights``).
 

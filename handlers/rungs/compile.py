@@ -88,7 +88,7 @@ class CompileRung(Rung):
         # The C++ GEMM template runs on CPUs, on constant (frozen) weights. int8 keeps one graph: autotuned, its small
         # graph took inductor's AVX-512 VNNI int8 template, and MiniLM's answers came out wrong (min cosine ~0 against
         # fp32 eager; torch 2.13, an AVX-512 VNNI EPYC; one int8 linear alone was right), so the gate refused int8
-        # altogether and the archive served bf16 (docs/performance.md: Small batches on an AVX-512 EPYC).
+        # altogether and the archive served bf16 (docs/performance.md).
         return (bool(self.spec.small_batch_tokens) and dtype is not DType.INT8 and self._freezes(dtype)
                 and _device_of(module).type == "cpu" and small_batch_graph.unsupported_reason() is None)
 

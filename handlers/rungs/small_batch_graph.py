@@ -3,7 +3,7 @@
 One dynamic graph serves every batch, and its matmuls are the library's (oneDNN, MKL), chosen for no size in
 particular. At a few dozen rows of tokens those calls cost more than their arithmetic: on an AVX2-only EPYC a
 384 x 384 fp32 linear over 16 rows takes 0.10 ms in oneDNN and 0.05 ms in inductor's C++ GEMM template, which loses
-by 10-30 % from 128 rows up (docs/performance.md: small batches). So a compile rung may build a second graph of the
+by 10-30 % from 128 rows up (docs/performance.md). So a compile rung may build a second graph of the
 same model, traced at the smallest warmup shape with ``max_autotune`` (each matmul timed at that size, template
 against library), and send it every batch of at most ``max_tokens`` tokens; larger ones keep the first graph.
 Both are warmed, judged by the quality gate and proven before READY like any forward of the rung.

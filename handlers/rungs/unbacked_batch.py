@@ -3,7 +3,7 @@
 While the compile rung traces, the dynamic shape policy keeps size-1 dimensions symbolic (size-oblivious), so one
 graph serves every batch. Inductor can still ask about the rows themselves: lowering a question-answering head's
 ``logits.split(1, -1)`` and ``squeeze(-1)`` to a view, it computes the view's strides with ``rows != 1``, a guard,
-and batch 4 then compiles a second graph (docs/performance.md: a second graph for question answering). With the
+and batch 4 then compiles a second graph (docs/performance.md). With the
 traced batch's rows marked unbacked, dynamo has no value to guard on: one graph, and a QA worker's warmup 13-16 s
 shorter on an AVX2-only EPYC.
 

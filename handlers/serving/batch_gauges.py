@@ -3,7 +3,7 @@
 Why: the adapter reports eight gauges per batch (each stage's milliseconds, requests, threads, padding). Emitting
 them through TorchServe's metrics API (a log line each, which the frontend parses) cost a lone short request 0.5-1.3
 ms of the worker's time on a 2-core AVX2 EPYC, about as much as the rest of the handler around the model
-(docs/performance.md: "Per-batch gauges once a second"). A Prometheus scrape reads only the latest value of a gauge,
+(docs/performance.md). A Prometheus scrape reads only the latest value of a gauge,
 so a mean over the batches of the last second says more than the last batch did, at a fraction of the cost.
 """
 
