@@ -54,20 +54,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from benchmarks import peers
-from benchmarks.harness import (
-    DEFAULT_OUT,
-    REPO,
-    OtherCpu,
-    apply_settings,
-    log,
-    markdown_table,
-    pids_with_arg,
-    run_header,
-    summarize,
-    write_csv,
-    write_json,
-    write_plot,
-)
+from benchmarks.harness import (DEFAULT_OUT, REPO, OtherCpu, apply_settings, log, markdown_table, pids_with_arg,
+                                run_header, summarize, write_csv, write_json, write_plot)
 from handlers.serving import archive, management
 from handlers.serving import server as torchserve
 

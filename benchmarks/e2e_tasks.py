@@ -26,17 +26,8 @@ from typing import Any
 import yaml
 
 from benchmarks.e2e import Client, send_all
-from benchmarks.harness import (
-    DEFAULT_OUT,
-    REPO,
-    log,
-    markdown_table,
-    run_header,
-    summarize,
-    write_csv,
-    write_json,
-    write_plot,
-)
+from benchmarks.harness import (DEFAULT_OUT, REPO, log, markdown_table, run_header, summarize, write_csv, write_json,
+                                write_plot)
 from benchmarks.tasks import TASK_MODELS, check_agreement, model_dir, workloads
 from handlers.serving import archive
 from handlers.serving import server as torchserve

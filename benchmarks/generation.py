@@ -27,18 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (
-    DEFAULT_OUT,
-    REPO,
-    apply_settings,
-    log,
-    markdown_table,
-    run_header,
-    summarize,
-    write_csv,
-    write_json,
-    write_plot,
-)
+from benchmarks.harness import (DEFAULT_OUT, REPO, apply_settings, log, markdown_table, run_header, summarize,
+                                write_csv, write_json, write_plot)
 
 PROMPTS = ["Serving compiled models in production", "The quick brown fox", "A longer prompt about the latency "
            "of every request that a server answers while it batches", "Tea"]

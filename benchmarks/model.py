@@ -67,17 +67,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (
-    DEFAULT_OUT,
-    OtherCpu,
-    log,
-    markdown_table,
-    run_header,
-    summarize,
-    write_csv,
-    write_json,
-    write_plot,
-)
+from benchmarks.harness import (DEFAULT_OUT, OtherCpu, log, markdown_table, run_header, summarize, write_csv,
+                                write_json, write_plot)
 
 ORT_MIN_COSINE = 0.9999
 Batch = dict[str, Any]  # input_ids / attention_mask tensors

@@ -51,18 +51,8 @@ from typing import Any
 import yaml
 
 from benchmarks.e2e import Client, single_token_words
-from benchmarks.harness import (
-    DEFAULT_OUT,
-    REPO,
-    OtherCpu,
-    log,
-    markdown_table,
-    pids_with_arg,
-    run_header,
-    summarize,
-    write_csv,
-    write_plot,
-)
+from benchmarks.harness import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, pids_with_arg, run_header, summarize,
+                                write_csv, write_plot)
 from handlers.serving import archive
 from handlers.serving import server as torchserve
 

@@ -32,17 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (
-    DEFAULT_OUT,
-    REPO,
-    log,
-    markdown_table,
-    run_header,
-    summarize,
-    write_csv,
-    write_json,
-    write_plot,
-)
+from benchmarks.harness import (DEFAULT_OUT, REPO, log, markdown_table, run_header, summarize, write_csv, write_json,
+                                write_plot)
 
 TASK_MODELS = {  # task -> (model YAML, model built by tiny_models.py, None for the embedded MiniLM)
     "embeddings": ("minilm-embeddings.yaml", None),

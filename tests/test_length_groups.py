@@ -11,17 +11,8 @@ import pytest
 import torch
 
 from handlers.serving import length_groups
-from handlers.serving.length_groups import (
-    MAX_FIT_ERROR,
-    CostModel,
-    LookAgain,
-    NoCostModel,
-    groups,
-    kept_key,
-    measure,
-    row_groups,
-    take_groups,
-)
+from handlers.serving.length_groups import (MAX_FIT_ERROR, CostModel, LookAgain, NoCostModel, groups, kept_key, measure,
+                                            row_groups, take_groups)
 from tests.test_embeddings import make_engine
 
 

@@ -23,14 +23,8 @@ import torch
 from benchmarks import hostile_inputs, soak
 from handlers.serving import server as tsctl
 from tests.conftest import port_shift
-from tests.test_torchserve import (
-    TEXTS,
-    assert_close_embeddings,
-    describe,
-    manage,
-    predict,
-    stop_and_check_no_key_leaked,
-)
+from tests.test_torchserve import (TEXTS, assert_close_embeddings, describe, manage, predict,
+                                   stop_and_check_no_key_leaked)
 
 REPO = Path(__file__).resolve().parent.parent
 

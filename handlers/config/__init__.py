@@ -24,19 +24,8 @@ from handlers.config.problems import problems_of
 from handlers.config.schema import ModelYaml, validate_model_yaml
 from handlers.config.settings import SettingsSection, shape_policy
 from handlers.config.task_facts import TASK_FACTS
-from handlers.config.values import (
-    IPEX_BACKEND,
-    Attention,
-    Choice,
-    CompileSpec,
-    DType,
-    HandlerConfig,
-    HandlerSettings,
-    ModuleGuards,
-    RungName,
-    TooLong,
-    resolve_backend,
-)
+from handlers.config.values import (IPEX_BACKEND, Attention, Choice, CompileSpec, DType, HandlerConfig, HandlerSettings,
+                                    ModuleGuards, RungName, TooLong, resolve_backend)
 from handlers.errors import ConfigError
 
 __all__ = ["IPEX_BACKEND", "Attention", "Choice", "CompileSpec", "DType", "HandlerConfig", "HandlerSettings",

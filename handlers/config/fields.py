@@ -11,16 +11,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PlainValidator,
-    StrictFloat,
-    StrictInt,
-    ValidationError,
-    model_validator,
-)
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictFloat, StrictInt, ValidationError,
+                      model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 

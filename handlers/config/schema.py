@@ -19,14 +19,8 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, WrapValidator, field_validator
 
 from handlers.config.fields import PositiveInt, Section, problem
-from handlers.config.pt2 import (
-    CompileSection,
-    LegacyBackendName,
-    LegacyCompileSection,
-    Pt2Section,
-    declared_dynamic,
-    read_pt2,
-)
+from handlers.config.pt2 import (CompileSection, LegacyBackendName, LegacyCompileSection, Pt2Section, declared_dynamic,
+                                 read_pt2)
 from handlers.config.settings import SettingsSection, read_settings
 
 

@@ -8,31 +8,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PlainValidator,
-    StrictBool,
-    StrictStr,
-    ValidationInfo,
-    WithJsonSchema,
-    create_model,
-    field_validator,
-)
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictStr, ValidationInfo,
+                      WithJsonSchema, create_model, field_validator)
 
-from handlers.config.fields import (
-    PositiveInt,
-    PositiveInts,
-    Seconds,
-    Section,
-    choose,
-    did_you_mean,
-    one_of,
-    problem,
-    problems,
-    shown,
-)
+from handlers.config.fields import (PositiveInt, PositiveInts, Seconds, Section, choose, did_you_mean, one_of, problem,
+                                    problems, shown)
 from handlers.config.shapes import AfterReady, PolicyKind, ShapePolicy
 from handlers.config.task_facts import TASK_FACTS, TASK_NAMES
 from handlers.config.values import Attention, DType, HandlerSettings, ModuleGuards, RungName, TooLong

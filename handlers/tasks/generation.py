@@ -37,16 +37,8 @@ from handlers.errors import InvalidInput
 from handlers.ladder import Forward, QualityError, QualityGate, tensors
 from handlers.tasks import open_inference
 from handlers.tasks.base import Emit, Encoded, Served, Task, gate_threshold
-from handlers.tasks.decoding import (
-    Completion,
-    DecodeStep,
-    GenerationBatch,
-    GenerationRequest,
-    Sampling,
-    cache_needed,
-    sample,
-    static_cache,
-)
+from handlers.tasks.decoding import (Completion, DecodeStep, GenerationBatch, GenerationRequest, Sampling, cache_needed,
+                                     sample, static_cache)
 
 logger = logging.getLogger(__name__)
 
