@@ -107,7 +107,8 @@ def _type(schema: dict[str, Any], node: dict[str, Any]) -> str:
         kinds = [_type(schema, option) for option in node["anyOf"] if option.get("type") != "null"]
         return " or ".join(dict.fromkeys(kinds))
     if "oneOf" in node:
-        return "one of " + ", ".join(f"`{option['const']}`" for option in node["oneOf"])
+        return "one of " + ", ".join(f"`{option['const']}`" if "const" in option else "`module:Class`"
+                                     for option in node["oneOf"])
     if "enum" in node:
         return "one of " + ", ".join(f"`{value}`" for value in node["enum"])
     if "const" in node:
@@ -151,12 +152,17 @@ def _task_table(schema: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     rules = {rule["if"]["properties"]["task"]["const"]: rule["then"]["properties"] for rule in settings["allOf"]}
     rows = ["| task | serves | `quality_gate` keys | limits |", "|---|---|---|---|"]
     for option in _resolve(schema, settings["properties"]["task"])["oneOf"]:
+        if "const" not in option:  # module:Class, a task of one's own
+            rows.append(f"| `module:Class` | {option['description']} | what its class declares | - |")
+            continue
         narrowed = rules[option["const"]]
         limits = []
         if "dtype" in narrowed:
             limits.append("`dtype`: " + _type(schema, narrowed["dtype"]))
         if "shapes" in narrowed:
             limits.append("`shapes.policy`: " + _type(schema, narrowed["shapes"]["properties"]["policy"]))
+        if "inputs" in narrowed:
+            limits.append("`inputs` required")
         keys = ", ".join(f"`{key}`" for key in narrowed["quality_gate"]["propertyNames"]["enum"])
         rows.append(f"| `{option['const']}` | {option['description']} | {keys} | {'; '.join(limits) or '-'} |")
     return rows

@@ -178,13 +178,14 @@ def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
     store = tmp_path_factory.mktemp("model_store")
     shared = Path(os.environ[SHARED_STORE_ENV]) if os.environ.get(SHARED_STORE_ENV) else None
 
-    def archive(name: str, model_dir: Path, config: Path, extra_files: tuple[Path, ...] = ()) -> None:
+    def archive(name: str, model_dir: Path | None, config: Path, extra_files: tuple[Path, ...] = (),
+                files: package.ModelForm | None = None) -> None:
         kept = shared / f"{name}.mar" if shared else None
         if kept and kept.is_file():
             shutil.copy(kept, store / kept.name)
             print(f"[package] {name}.mar from the shared store {shared}", flush=True)
             return
-        built = package.build(name, model_dir, config, store, extra_files=extra_files)
+        built = package.build(name, model_dir, config, store, extra_files=extra_files, files=files)
         if kept:  # whole or not at all: a run stopped mid-copy leaves no half archive for the next profile, and the
             # other profile's stage, running at the same time, may be copying the same archive
             partial = kept.with_suffix(f".{os.getpid()}.partial")
@@ -202,7 +203,35 @@ def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
     for name, config in (("minilm-faulty", "minilm-faulty-backend.yaml"), ("minilm-wrong", "minilm-wrong-numbers.yaml"),
                          ("minilm-breaks", "minilm-breaks-after-ready.yaml")):
         archive(name, minilm_dir, REPO / "tests" / "configs" / config, (REPO / "tests" / "faulty_backends.py",))
+    # The docs' example ranker in each form torch-model-archiver packs (docs/tasks/your-own.md)
+    ranker = example_ranker(tmp_path_factory.mktemp("ranker"))
+    archive("ranker", None, REPO / "model_configs" / "ranker-tensor.yaml",
+            files=package.ModelForm(ranker / "model.py", ranker / "model.pth"))
+    archive("ranker-exported", None, REPO / "model_configs" / "ranker-tensor.yaml",
+            files=package.ModelForm(None, ranker / "model.pt2"))
+    archive("ranking", None, REPO / "model_configs" / "ranker-ranking-task.yaml", (EXAMPLE / "ranking_task.py",),
+            package.ModelForm(ranker / "model.py", ranker / "model.pth"))
     return store
+
+
+EXAMPLE = REPO / "docs" / "examples" / "ranker"
+
+
+def example_ranker(out: Path) -> Path:
+    """The docs' example model (seed 0) as a state_dict beside its model.py, and as an exported program whose batch
+    axis is dynamic."""
+    import torch
+
+    from handlers.models.state_dict import module_class
+
+    shutil.copy(EXAMPLE / "model.py", out / "model.py")
+    torch.manual_seed(0)
+    model = module_class(out / "model.py")().eval()
+    torch.save(model.state_dict(), out / "model.pth")
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(model, (), {"x": torch.randn(4, 16)}, dynamic_shapes={"x": {0: batch}})
+    torch.export.save(program, str(out / "model.pt2"))
+    return out
 
 
 @pytest.fixture(scope="session")

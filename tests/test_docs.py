@@ -32,12 +32,13 @@ DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 PORT_SHIFT = port_shift(16000)  # clear of the other test servers (+10000 ... +15000)
 # The names the docs call, and the archives tests/conftest.py's model_store builds for them.
 SERVED = {"minilm": "minilm.mar", "sentiment": "minilm-sentiment.mar", "ner": "minilm-ner.mar", "qa": "minilm-qa.mar",
-          "llama": "tiny-llama.mar"}
+          "llama": "tiny-llama.mar", "ranker": "ranker.mar", "ranker-exported": "ranker-exported.mar",
+          "ranking": "ranking.mar"}
 # Pages whose examples are the point of the page: each must have at least one executed block.
 MUST_RUN = ["README.md", "docs/getting-started.md", "docs/tasks/embeddings.md", "docs/tasks/text-classification.md",
             "docs/tasks/token-classification.md", "docs/tasks/question-answering.md",
             "docs/tasks/text-generation.md", "docs/tasks/errors.md", "docs/operations.md", "docs/open-inference.md",
-            "docs/configuration.md"]
+            "docs/configuration.md", "docs/tasks/your-own.md"]
 DEFAULT_TOLERANCE = 0.02  # a half-precision rung may differ from fp32 by the gate's 1e-2; CI may run either
 ANY = "\u2026docs-test-any"  # what ``...`` in expected JSON becomes: any value, more elements, more keys
 MARK = "\u2026docs-test-rc"

@@ -136,6 +136,12 @@ def test_the_catalog_names_each_task_class_and_its_gate(name):
         facts.gate.defaults[0] if facts.gate.keys[0].startswith("min") else 1 - facts.gate.defaults[0])
 
 
+def task_settings(name: str) -> dict:
+    """The least pt2_handlers section that serves the task: the tensor task also needs its inputs."""
+    inputs = [{"name": "x", "shape": ["batch", 4]}] if TASK_FACTS[name].needs_inputs else None
+    return {"task": name, **({"inputs": inputs} if inputs else {})}
+
+
 @pytest.mark.parametrize("name", sorted(TASK_FACTS))
 def test_config_checks_each_gate_key_as_the_task_does(name):
     """The catalog's defaults are the task's, and a value out of the catalog's range gets the task's own message
@@ -146,10 +152,10 @@ def test_config_checks_each_gate_key_as_the_task_does(name):
         assert task_class.quality_gate(dtype, {key: default}).threshold == task_class.quality_gate(dtype, {}).threshold
         for edge in (low, high):
             task_class.quality_gate(dtype, {key: edge})
-            load_config({"pt2_handlers": {"task": name, "quality_gate": {key: edge}}})
+            load_config({"pt2_handlers": {**task_settings(name), "quality_gate": {key: edge}}})
         for outside in (low - 0.5, high + 0.5):
             with pytest.raises(ConfigError) as by_task:
                 task_class.quality_gate(dtype, {key: outside})
             with pytest.raises(ConfigError) as by_config:
-                load_config({"pt2_handlers": {"task": name, "quality_gate": {key: outside}}})
+                load_config({"pt2_handlers": {**task_settings(name), "quality_gate": {key: outside}}})
             assert by_config.value.message == by_task.value.message

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from handlers.config.problems import problems_of
 from handlers.config.schema import ModelYaml, validate_model_yaml
 from handlers.config.settings import SettingsSection, shape_policy
+from handlers.config.shapes import ShapePolicy
 from handlers.config.task_facts import TASK_FACTS
 from handlers.config.values import (IPEX_BACKEND, Attention, Choice, CompileSpec, DType, HandlerConfig, HandlerSettings,
                                     ModuleGuards, RungName, TooLong, resolve_backend)
@@ -72,12 +73,19 @@ def _settings(section: SettingsSection, compile_dynamic: bool | None) -> Handler
     return HandlerSettings(
         task=section.task, model_dir=section.model_dir, max_length=section.max_length, too_long=section.too_long,
         dtype=section.dtype, int8_calibration=section.int8_calibration, ladder=section.ladder,
-        shapes=shape_policy(section.shapes, TASK_FACTS[section.task].default_shapes, compile_dynamic),
+        shapes=shape_policy(section.shapes, _default_shapes(section.task), compile_dynamic),
         quality_gate=section.quality_gate, freezing=section.freezing, attention=section.attention,
         module_guards=section.module_guards, threads=section.threads,
         compile_cache=section.compile_cache, max_runtime_failures=section.max_runtime_failures,
         max_inputs_per_request=section.max_inputs_per_request, batch_metrics_every_s=section.batch_metrics_every_s,
+        inputs=tuple(item.spec() for item in section.inputs or ()),
+        options=MappingProxyType(dict(section.options)),
     )
+
+
+def _default_shapes(task: str) -> ShapePolicy:
+    facts = TASK_FACTS.get(task)  # a task of one's own: the package's default buckets
+    return facts.default_shapes if facts else ShapePolicy()
 
 
 def pt2_warnings(value: Any) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ only, static shapes only: handlers/config/task_facts.py) and on pt2's ``dynamic`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
@@ -14,7 +15,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictBool, 
 from handlers.config.fields import (PositiveInt, PositiveInts, Seconds, Section, choose, did_you_mean, one_of, problem,
                                     problems, shown)
 from handlers.config.shapes import AfterReady, PolicyKind, ShapePolicy
-from handlers.config.task_facts import TASK_FACTS, TASK_NAMES
+from handlers.config.inputs import InputSection
+from handlers.config.task_facts import TASK_FACTS, TASK_NAMES, USER_TASK_PATTERN, is_user_task
 from handlers.config.values import Attention, DType, HandlerSettings, ModuleGuards, RungName, TooLong
 
 DEFAULTS = HandlerSettings()
@@ -110,9 +112,8 @@ def _gate_thresholds_model() -> type[BaseModel]:
     """Every task's quality-gate keys as one model: what the JSON Schema offers under ``quality_gate`` (the task
     narrows it, see SettingsSection)."""
     fields = {}
-    for facts in TASK_FACTS.values():
-        gate = facts.gate
-        tasks = ", ".join(task.name for task in TASK_FACTS.values() if task.gate == gate)
+    for gate in dict.fromkeys(gate for facts in TASK_FACTS.values() for gate in facts.gates):
+        tasks = ", ".join(task.name for task in TASK_FACTS.values() if gate in task.gates)
         for key, default in zip(gate.keys, gate.defaults, strict=True):
             low, high = gate.bounds
             fields[key] = (float, Field(None, ge=low, le=high, description=f"{tasks}: {gate.describe(key)}.",
@@ -122,7 +123,9 @@ def _gate_thresholds_model() -> type[BaseModel]:
 
 QualityGateKeys = _gate_thresholds_model()
 TaskName = Annotated[str, WithJsonSchema({"type": "string", "oneOf": [
-    {"const": facts.name, "description": facts.summary} for facts in TASK_FACTS.values()]})]
+    *({"const": facts.name, "description": facts.summary} for facts in TASK_FACTS.values()),
+    {"pattern": USER_TASK_PATTERN, "description": "a task of your own: module:Class, the module packed at the "
+                                                  "archive's root with --extra-files (docs/tasks/your-own.md)"}]})]
 DTypeInput = Annotated[one_of(DType) | Annotated[list[Literal[(*PRECISIONS, DType.AUTO.value)]], Field(min_length=1)],
                        WithJsonSchema({"anyOf": [
                            {"enum": [d.value for d in DType]},
@@ -134,9 +137,12 @@ DTypeInput = Annotated[one_of(DType) | Annotated[list[Literal[(*PRECISIONS, DTyp
 def _check_task(name: Any) -> str:
     if not isinstance(name, str):
         raise problem(f"must be str, got {shown(name)}")
-    if name not in TASK_FACTS:
+    if is_user_task(name):
+        if not re.match(USER_TASK_PATTERN, name):
+            raise problem(f"a task of your own is module:Class (a module at the archive's root), got {name!r}")
+    elif name not in TASK_FACTS:
         raise problem(f"unknown task {name!r}{did_you_mean(name, TASK_NAMES)}; "
-                      f"use one of: {', '.join(sorted(TASK_NAMES))}")
+                      f"use one of: {', '.join(sorted(TASK_NAMES))}, or module:Class for a task of your own")
     return name
 
 
@@ -196,23 +202,28 @@ def _read_gate(value: Any, info: ValidationInfo) -> Mapping[str, float]:
     """The task's thresholds, each in its range; unknown keys named with the task's own."""
     if not isinstance(value, Mapping):
         raise problem(f"must be a mapping, got {shown(value)}")
-    facts = TASK_FACTS.get(info.data.get("task"))
-    if facts is None:  # the task is wrong, and reported: which keys it reads is unknown
-        return MappingProxyType({})
-    gate, found, values = facts.gate, [], {}
-    unknown = sorted(str(key) for key in value if key not in gate.keys)
+    task = info.data.get("task")
+    facts = TASK_FACTS.get(task)
+    if facts is None and not (isinstance(task, str) and is_user_task(task)):
+        return MappingProxyType({})  # the task is wrong, and reported: which keys it reads is unknown
+    # a task of one's own reads the keys its class declares: checked when it is imported, at load
+    keys = facts.gate_keys if facts else tuple(str(key) for key in value)
+    found, values = [], {}
+    unknown = sorted(str(key) for key in value if key not in keys)
     if unknown:
-        hints = "".join(did_you_mean(key, gate.keys) for key in unknown)
-        found.append(((), f"unknown key(s) {', '.join(unknown)}{hints}; allowed: {', '.join(gate.keys)}", value))
-    low, high = gate.bounds
-    for key in gate.keys:
+        hints = "".join(did_you_mean(key, keys) for key in unknown)
+        found.append(((), f"unknown key(s) {', '.join(unknown)}{hints}; allowed: {', '.join(keys)}", value))
+    for key in keys:
         number = value.get(key)
+        gate = next((gate for gate in facts.gates if key in gate.keys), None) if facts else None
+        low, high = gate.bounds if gate else (float("-inf"), float("inf"))
         if number is None:
             continue
         if isinstance(number, bool) or not isinstance(number, int | float):
             found.append(((key,), f"must be a number, got {shown(number)}", number))
         elif not low <= number <= high:
-            found.append(((key,), f"is {gate.what} in [{low:g}, {high:g}], got {float(number)!r}", number))
+            found.append(((key,), f"is {gate.what if gate else 'a number'} in [{low:g}, {high:g}], got "
+                                  f"{float(number)!r}", number))
         else:
             values[key] = float(number)
     if found:
@@ -242,7 +253,9 @@ def _task_rules(schema: dict[str, Any]) -> None:
     """JSON Schema for what depends on the task: its gate keys, float32 only, static shapes only."""
     rules = []
     for facts in TASK_FACTS.values():
-        then: dict[str, Any] = {"quality_gate": {"propertyNames": {"enum": list(facts.gate.keys)}}}
+        then: dict[str, Any] = {"quality_gate": {"propertyNames": {"enum": list(facts.gate_keys)}}}
+        if facts.needs_inputs:
+            then["inputs"] = {"minItems": 1}
         if facts.float32_only:
             then["dtype"] = {"anyOf": [{"enum": [DType.AUTO.value, DType.FLOAT32.value]}, {"const": ["float32"]}]}
         if facts.static_shapes_only:
@@ -250,7 +263,8 @@ def _task_rules(schema: dict[str, Any]) -> None:
         condition: dict[str, Any] = {"properties": {"task": {"const": facts.name}}}
         if facts.name != DEFAULTS.task:  # the default task's rules hold where no task is given too
             condition["required"] = ["task"]
-        rules.append({"if": condition, "then": {"properties": then}})
+        rules.append({"if": condition, "then": {"properties": then,
+                                                **({"required": ["inputs"]} if facts.needs_inputs else {})}})
     schema["allOf"] = rules
 
 
@@ -260,10 +274,17 @@ class SettingsSection(Section):
     model_config = ConfigDict(json_schema_extra=_task_rules)
 
     task: TaskField = DEFAULTS.task
-    """Which task adapter serves the model."""
+    """Which task serves the model: one of the built-in ones, or `module:Class`, a task of your own in a module
+    packed at the archive's root (`--extra-files`)."""
     model_dir: StrictStr = DEFAULTS.model_dir
     """The `save_pretrained` directory, relative to the unpacked archive; a path leading out of it (`../x`, `/etc`)
-    fails the load."""
+    fails the load. Not read where the archive carries `--model-file` + `--serialized-file`, or an exported
+    program (`--serialized-file model.pt2`)."""
+    inputs: list[InputSection] | None = Field(None, validate_default=True)
+    """The model's input tensors, for the `tensor` task (required there) and tasks of your own: each one's name
+    (the forward's keyword argument), dtype and shape, so requests are checked and warmup inputs made."""
+    options: dict[StrictStr, Any] = Field(default_factory=dict)
+    """Anything a task of your own reads (`settings.options` in its class); the built-in tasks read nothing here."""
     max_length: PositiveInt | None = DEFAULTS.max_length
     """Tokens per text, special tokens included. Left out: `sentence_bert_config.json`'s, else the tokenizer's
     limit, capped at the model's positions."""
@@ -349,6 +370,21 @@ class SettingsSection(Section):
             raise problem("shapes.small_batch_tokens needs freezing: true (inductor's C++ GEMM template, which the "
                           "small batches' graph is for, takes constant weights only)")
         return freezing
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs_named_once(cls, inputs: list[InputSection] | None, info: ValidationInfo) -> list[InputSection] | None:
+        names = [section.name for section in inputs or ()]
+        if len(set(names)) != len(names):
+            raise problem(f"each input is named once, got {names}")
+        facts = TASK_FACTS.get(info.data.get("task"))
+        if facts and facts.needs_inputs and not inputs:
+            raise problem(f"the {facts.name} task needs the model's inputs: a list of {{name, dtype, shape}}, e.g. "
+                          "[{name: x, dtype: float32, shape: [batch, 16]}]")
+        if facts and inputs and not facts.needs_inputs:
+            raise problem(f"{facts.name} reads text through its tokenizer: inputs are for the tensor task and tasks "
+                          "of your own")
+        return inputs
 
     @field_validator("int8_calibration")
     @classmethod

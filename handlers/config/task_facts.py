@@ -44,11 +44,28 @@ class TaskFacts:
     float32_only: str | None = None  # why the task serves float32 only, if it does
     static_shapes_only: str | None = None  # why the task refuses the dynamic shape policy, if it does
     causal_attention: bool = False  # its models attend to earlier tokens only (decoders): no fused attention
+    more_gates: tuple[GateFacts, ...] = ()  # further metrics a rung must also pass (the tensor task's max error)
+    text: bool = True  # a tokenizer reads its requests: max_length, too_long and int8_calibration apply
+    needs_inputs: bool = False  # pt2_handlers.inputs must declare the model's tensors
+
+    @property
+    def gates(self) -> tuple[GateFacts, ...]:
+        return (self.gate, *self.more_gates)
+
+    @property
+    def gate_keys(self) -> tuple[str, ...]:
+        return tuple(key for gate in self.gates for key in gate.keys)
 
 
 COSINE_GATE = GateFacts(
     keys=("min_cosine", "min_cosine_half", "min_cosine_int8"), defaults=(0.9999, 0.999, 0.99), bounds=(-1.0, 1.0),
-    what="a cosine", measures="the smallest cosine, per row, between a rung's embedding and fp32 eager's",
+    what="a cosine", measures="the smallest cosine, per row, between a rung's output (an embedding) and fp32 eager's",
+)
+MAX_ERROR_GATE = GateFacts(
+    keys=("max_abs_error", "max_abs_error_half", "max_abs_error_int8"), defaults=(1e-4, 5e-2, 1e-1),
+    bounds=(0.0, 1.0), what="a share of fp32 eager's largest magnitude",
+    measures="the largest absolute difference from fp32 eager over every output element, as a share of the largest "
+             "absolute value fp32 eager's outputs hold",
 )
 SCORE_GATE = GateFacts(
     keys=("max_score_error", "max_score_error_half", "max_score_error_int8"), defaults=(1e-4, 1e-2, 5e-2),
@@ -76,5 +93,14 @@ TASK_FACTS: Mapping[str, TaskFacts] = MappingProxyType({facts.name: facts for fa
               float32_only="its gate wants greedy tokens identical to fp32 eager's, which half types rarely keep",
               static_shapes_only="the decode step runs against a static KV cache per (batch, cache length) bucket",
               causal_attention=True),
+    TaskFacts("tensor", "handlers.tasks.tensor:TensorTask",
+              "any nn.Module: named tensors in (pt2_handlers.inputs), tensors out", COSINE_GATE,
+              more_gates=(MAX_ERROR_GATE,), text=False, needs_inputs=True),
 )})
 TASK_NAMES: tuple[str, ...] = tuple(TASK_FACTS)
+# A task of one's own: "module:Class", the module packed at the archive's root (--extra-files).
+USER_TASK_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def is_user_task(name: str) -> bool:
+    return ":" in name

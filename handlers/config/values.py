@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from handlers.config.inputs import TensorSpec
 from handlers.config.shapes import ShapePolicy
 
 
@@ -171,6 +172,8 @@ class HandlerSettings:
     max_runtime_failures: int = 3
     max_inputs_per_request: int = 64
     batch_metrics_every_s: float = 1.0  # the per-batch gauges: means of each window this long; 0: every batch
+    inputs: tuple[TensorSpec, ...] = ()  # the tensor task's (and a task of one's own) model inputs
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # a task of one's own reads them
 
 
 @dataclass(frozen=True)

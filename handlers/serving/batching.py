@@ -40,13 +40,16 @@ class BatchForward:
 
     def __init__(self, guard: GuardedForward, shapes: ShapePolicy, pad_values: Mapping[str, int],
                  on_device: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
-                 lengths: LengthGrouping | None, stats: BatchStats):
+                 lengths: LengthGrouping | None, stats: BatchStats, pads_sequence: bool = True):
+        """``pads_sequence``: each chunk's axis 1 is padded to the policy's sequence bucket (text behind a mask);
+        False pads rows only, the other axes run as they came."""
         self.guard = guard
         self.shapes = shapes
         self.pad_values = pad_values
         self.on_device = on_device
         self.lengths = lengths
         self.stats = stats
+        self.pads_sequence = pads_sequence
 
     def forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """Run the batch at the shape policy's shapes: chunks of at most the largest batch bucket, each padded
@@ -55,7 +58,7 @@ class BatchForward:
         (``handlers.serving.length_groups``); the outputs come back in the batch's order."""
         outputs = []
         mask = inputs.get("attention_mask")
-        rows, seq = next(iter(inputs.values())).shape[:2]
+        rows, seq = rows_and_length(next(iter(inputs.values())))
         self.stats.real_tokens += int(mask.sum()) if mask is not None else rows * seq
         cost = self.lengths.cost_now() if self.lengths is not None else None
         groups = None if cost is None or mask is None else length_groups.row_groups(
@@ -63,10 +66,12 @@ class BatchForward:
         chunks = split_rows(inputs, self.shapes.max_batch) if groups is None else length_groups.take_groups(
             inputs, mask, groups)
         for chunk in chunks:
-            rows, seq = next(iter(chunk.values())).shape[:2]
+            rows, seq = rows_and_length(next(iter(chunk.values())))
             shape = self.shapes.serving_shape(rows, seq)
+            if not self.pads_sequence:
+                shape = (shape[0], seq)
             self.stats.run_tokens += shape[0] * shape[1]
-            padded = pad_batch(chunk, shape, self.pad_values)
+            padded = pad_batch(chunk, shape, self.pad_values, self.pads_sequence)
             outputs.append(take_rows(self.guard(**self.on_device(padded)), rows))
         joined = concat_rows(outputs)
         if groups is None:
@@ -82,6 +87,11 @@ class BatchForward:
 Batch = Mapping[str, torch.Tensor]
 
 
+def rows_and_length(tensor: torch.Tensor) -> tuple[int, int]:
+    """A batch's rows and the length of its axis 1 (1 where it has none)."""
+    return tensor.shape[0], tensor.shape[1] if tensor.dim() > 1 else 1
+
+
 def split_rows(batch: Batch, size: int) -> Iterator[dict[str, torch.Tensor]]:
     """Consecutive chunks of at most ``size`` rows."""
     rows = next(iter(batch.values())).shape[0]
@@ -89,20 +99,22 @@ def split_rows(batch: Batch, size: int) -> Iterator[dict[str, torch.Tensor]]:
         yield {name: tensor[start : start + size] for name, tensor in batch.items()}
 
 
-def pad_batch(batch: Batch, shape: tuple[int, int], pad_values: Mapping[str, int]) -> dict[str, torch.Tensor]:
+def pad_batch(batch: Batch, shape: tuple[int, int], pad_values: Mapping[str, int],
+              pads_sequence: bool = True) -> dict[str, torch.Tensor]:
     """Pad 2-D token tensors to ``shape``: extra positions get the input's pad value (masked out), extra
     rows repeat the first row, so the padding rows compute on real numbers (a fully masked row can give
-    NaN in attention) and are sliced away afterwards."""
+    NaN in attention) and are sliced away afterwards. Without ``pads_sequence``, rows only, of tensors of any
+    rank."""
     rows, seq = shape
     padded = {}
     for name, tensor in batch.items():
-        extra_seq = seq - tensor.shape[1]
+        extra_seq = seq - tensor.shape[1] if pads_sequence else 0
         if extra_seq > 0:
             fill = tensor.new_full((tensor.shape[0], extra_seq), pad_values.get(name, 0))
             tensor = torch.cat([tensor, fill], dim=1)
         extra_rows = rows - tensor.shape[0]
         if extra_rows > 0:
-            tensor = torch.cat([tensor, tensor[:1].expand(extra_rows, -1)], dim=0)
+            tensor = torch.cat([tensor, tensor[:1].expand(extra_rows, *tensor.shape[1:])], dim=0)
         padded[name] = tensor
     return padded
 

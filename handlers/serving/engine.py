@@ -23,6 +23,7 @@ from handlers.cpu.worker_cores import WorkerCores
 from handlers.errors import InferenceError, ModelNotReady
 from handlers.ladder import Attempt, summarize
 from handlers.ladder.guard import GuardedForward
+from handlers.models.files import SAVE_PRETRAINED, ModelFiles
 from handlers.precision import choice
 from handlers.rungs import compile_cache
 from handlers.rungs.compile_cache import CacheDir
@@ -46,22 +47,24 @@ class Engine:
     """One model: ``load()`` once, then ``predict(bodies)`` per batch, ``describe()`` any time."""
 
     def __init__(self, config: HandlerConfig, model_root: Path, device: torch.device, model_name: str,
-                 cache: CacheDir | None = None, model_version: str | None = None):
+                 cache: CacheDir | None = None, model_version: str | None = None, files: ModelFiles = SAVE_PRETRAINED):
         """``cache``: the compile cache already prepared by the caller (the TorchServe adapter does so before
-        the config is validated); None prepares the configured one at load."""
+        the config is validated); None prepares the configured one at load. ``files``: the archive's
+        ``--model-file`` and ``--serialized-file`` (none: a save_pretrained directory)."""
         self.config = config
         self.model_root = Path(model_root)
         self.device = device
         self.model_name = model_name
         self.model_version = model_version
         self.cache = cache
+        self.files = files
         self.state = State.LOADING
         self.failure: str | None = None
         self.load_seconds: float | None = None
         self.batches = 0
         self.max_batch_requests = 0
         self.last_batch = BatchStats()
-        self.precisions = _precisions(config, device)  # to try, fastest first
+        self.precisions = _precisions(config, device, self.model_root)  # to try, fastest first
         self.cpu = WorkerCores(config.settings.threads, config.workers, device)
         self.loaded: Loaded | None = None
         self._requests: Requests | None = None
@@ -75,7 +78,7 @@ class Engine:
                 if self.cache is None:
                     self.cache = compile_cache.prepare(self.config.settings.compile_cache)
                 self.loaded = Loader(self.config, self.model_root, self.device, self.model_name, self.cache,
-                                     self.precisions, self.cpu).load()
+                                     self.precisions, self.cpu, self.files).load()
             self.cpu.runs_at = self.loaded.result.threads
             self._requests = Requests(self.loaded.task, self.model_name, self.model_version)
         except Exception as exc:
@@ -138,7 +141,7 @@ class Engine:
         loaded = self.loaded
         assert loaded is not None
         return BatchForward(loaded.guard, loaded.shapes, loaded.task.pad_values, self._on_device, loaded.lengths,
-                            stats)
+                            stats, loaded.task.pads_sequence)
 
     def forward_batch(self, inputs: Any) -> Any:
         """A batch of model inputs through the served forward, as a task runs it (``BatchForward.forward_batch``)."""
@@ -238,6 +241,7 @@ class Engine:
             "state": self.state.value,
             "failure": self.failure,
             "task": settings.task,
+            "model": self.files.describe(),
             "inputs": self.task.describe_inputs() if self.task else None,
             "outputs": self.task.describe_outputs() if self.task else None,
             "load_seconds": self.load_seconds,
@@ -249,11 +253,11 @@ class Engine:
         }
 
 
-def _precisions(config: HandlerConfig, device: torch.device) -> Choice:
+def _precisions(config: HandlerConfig, device: torch.device, model_root: Path) -> Choice:
     """The precisions to try, fastest first: the YAML's ``dtype`` on this hardware; float32 alone for a task that
     serves nothing else."""
     precisions = choice.resolve_precisions(config.settings.dtype, device)
-    float32_only = check_task(config.settings.task).facts().float32_only
+    float32_only = check_task(config.settings.task, import_dir=model_root).facts().float32_only
     if float32_only and precisions.value != (DType.FLOAT32,):
         return Choice((DType.FLOAT32,), f"{config.settings.task} serves float32: {float32_only}")
     return precisions

@@ -18,18 +18,19 @@ from handlers.config import Attention, Choice, DType, HandlerConfig, ModuleGuard
 from handlers.config.shapes import ShapePolicy
 from handlers.cpu import features, fused_attention
 from handlers.cpu.worker_cores import WorkerCores
-from handlers.errors import ModelLoadError
+from handlers.errors import ConfigError
 from handlers.ladder import AttemptStatus, LadderResult, Precisions, Site, Warmup, run_ladder
 from handlers.ladder.decisions import DIRECTORY, DecisionStore, fingerprint
 from handlers.ladder.guard import GuardedForward
 from handlers.ladder.inputs import Calibration
-from handlers.models.pretrained import load_pretrained, resolve_max_length
+from handlers.models.files import SAVE_PRETRAINED, ModelFiles
 from handlers.precision import choice
 from handlers.rungs import CompileRung, Rung, build_rungs, compile_cache
 from handlers.rungs.compile_cache import CacheDir
 from handlers.serving import length_groups
 from handlers.serving.length_groups import LengthGrouping
-from handlers.tasks import Task, calibration, check_task
+from handlers.tasks import Task, check_task
+from handlers.tasks.base import TaskSettings
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Loader:
     kept beside the compile ``cache`` for the next worker."""
 
     def __init__(self, config: HandlerConfig, model_root: Path, device: torch.device, model_name: str,
-                 cache: CacheDir, precisions: Choice, cores: WorkerCores):
+                 cache: CacheDir, precisions: Choice, cores: WorkerCores, files: ModelFiles = SAVE_PRETRAINED):
         self.config = config
         self.settings = config.settings
         self.model_root = Path(model_root)
@@ -66,16 +67,15 @@ class Loader:
         self.precisions: tuple[DType, ...] = precisions.value
         self.precisions_reason = precisions.reason
         self.cores = cores
+        self.files = files
 
     def load(self) -> Loaded:
-        task_class = check_task(self.settings.task)
-        model_dir = self._model_dir()
+        task_class = check_task(self.settings.task, import_dir=self.model_root)
+        _check_gate_keys(task_class, self.settings.quality_gate)
         # fp32 first: it is the reference every rung is judged against, and the eager fallback.
-        model, tokenizer = load_pretrained(model_dir, task_class.model_class, torch.float32, self.device)
-        max_length = resolve_max_length(model_dir, model, tokenizer, self.settings.max_length)
-        shapes = self.settings.shapes.fitted(max_length)
-        task = task_class(tokenizer, max_length, self.settings.max_inputs_per_request, self.model_name,
-                          self.settings.too_long, model_dir=model_dir)
+        task, model = task_class.load(TaskSettings(self.settings, self.model_root, self.files, self.model_name),
+                                      self.device)
+        shapes = task.fit_shapes(self.settings.shapes)
         reference = task.build_module(model)
         batches = [self.on_device(batch) if isinstance(batch, Mapping) else batch
                    for batch in task.warmup_batches(shapes.warmup_shapes())]
@@ -111,13 +111,6 @@ class Loader:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _model_dir(self) -> Path:
-        model_dir = (self.model_root / self.settings.model_dir).resolve()
-        if not model_dir.is_relative_to(self.model_root.resolve()):  # "../x" or a link out of the archive
-            raise ModelLoadError(f"pt2_handlers.model_dir {self.settings.model_dir!r} leads outside the model archive "
-                                 f"({self.model_root}); name a directory inside it, e.g. model")
-        return model_dir
-
     def _rungs(self) -> list[Rung]:
         no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
         return build_rungs(self.config, self.device, compile_unavailable=no_cache,
@@ -143,14 +136,8 @@ class Loader:
                           calibration=int8, int8_weights=int8_weights)
 
     def _int8_calibration(self, task: Task, shapes: ShapePolicy, warmup: list[Any]) -> Calibration:
-        """What int8 is calibrated on and judged on besides the warmup: the archive's file, or the warmup batches
-        and a vocabulary sample."""
-        relative = self.settings.int8_calibration
-        if relative is None:
-            found = calibration.held_out_sample(task, shapes.warmup_shapes(), warmup)
-        else:
-            found = calibration.from_texts(task, shapes.warmup_shapes(),
-                                           calibration.read_texts(self.model_root, relative), relative)
+        """What int8 is calibrated on and judged on besides the warmup (``Task.calibration``), on the device."""
+        found = task.calibration(shapes.warmup_shapes(), warmup)
         return Calibration([self.on_device(batch) for batch in found.batches],
                            [self.on_device(batch) for batch in found.held_out], found.source, found.held_out_source)
 
@@ -182,6 +169,15 @@ class Loader:
         why = ([f"{' and '.join(failed)} failed the quality gate"] if failed else []) + (
             [f"{' and '.join(slower)} passed the gate but was not faster here"] if slower else [])
         return f"{self.precisions_reason}; {'; '.join(why)} (see attempts)" if why else self.precisions_reason
+
+
+def _check_gate_keys(task_class: type[Task], thresholds: Mapping[str, float]) -> None:
+    """A task of one's own reads the gate keys its class declares: the YAML's others are a mistake, told at load."""
+    keys = task_class.facts().gate_keys
+    unknown = sorted(key for key in thresholds if key not in keys)
+    if unknown:
+        raise ConfigError(f"pt2_handlers.quality_gate: unknown key(s) {', '.join(unknown)} for the task "
+                          f"{task_class.facts().name}; allowed: {', '.join(keys)}")
 
 
 def _picked_by_auto(precisions: Sequence[DType], configured: Sequence[DType]) -> tuple[DType, ...]:

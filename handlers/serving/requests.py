@@ -38,8 +38,8 @@ class Requests:
                 body = decode_body(body)
                 if open_inference.is_request(body):
                     v2[index] = None
-                    request = open_inference.parse_request(body)
-                    body = self.task.from_open_inference(request.texts, request.parameters)
+                    request = open_inference.parse_request(body, numeric=self.task.reads_tensors)
+                    body = self.task.from_open_inference(request)
                     v2[index] = (request, body)
                 parsed[index] = self.task.parse(body)
             except HandlerError as exc:

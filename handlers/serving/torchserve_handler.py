@@ -26,6 +26,7 @@ from ts.utils.util import PredictionException
 
 from handlers.config import load_config
 from handlers.errors import ConfigError, HandlerError, InvalidInput, PathNotFound
+from handlers.models.files import ModelFiles
 from handlers.rungs import compile_cache
 from handlers.serving import server_timing
 from handlers.serving.batch_gauges import GaugeWindow
@@ -80,8 +81,11 @@ class Pt2Handler(BaseHandler):
                 logger.error("model %s failed to load: invalid model YAML: %s", context.model_name, problem)
             raise
         self.device = _device(properties.get("gpu_id"))
-        version = (getattr(context, "manifest", None) or {}).get("model", {}).get("modelVersion")
-        self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name, cache, version)
+        model = (getattr(context, "manifest", None) or {}).get("model", {})
+        # torch-model-archiver's --model-file and --serialized-file, at the archive's root (none: save_pretrained)
+        files = ModelFiles(model.get("modelFile") or None, model.get("serializedFile") or None)
+        self.engine = Engine(config, Path(properties["model_dir"]), self.device, context.model_name, cache,
+                             model.get("modelVersion"), files)
         self.engine.load()
         frozen = _freeze_what_the_load_left()
         logger.info("model %s: %d objects the load left kept out of full garbage collections", context.model_name,

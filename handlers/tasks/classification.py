@@ -22,7 +22,8 @@ import transformers
 
 from handlers.errors import InvalidInput
 from handlers.tasks import open_inference
-from handlers.tasks.base import Encoded, ScoredTask
+from handlers.tasks.base import Encoded
+from handlers.tasks.text import ScoredTask
 
 DEFAULT_TOP_K = 1
 

@@ -28,7 +28,8 @@ from handlers.config import DType, TooLong
 from handlers.errors import InvalidInput
 from handlers.ladder import QualityError, QualityGate, tensors
 from handlers.tasks import open_inference, pooling
-from handlers.tasks.base import Encoded, Task, gate_threshold
+from handlers.tasks.base import Encoded, gate_threshold
+from handlers.tasks.text import TextTask
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class CosineGate(QualityGate):
 
 
 
-class EmbeddingsTask(Task):
+class EmbeddingsTask(TextTask):
     name = "embeddings"
     open_inference_output = "embedding"
     row_outputs = True  # one pooled vector per text

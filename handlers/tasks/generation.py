@@ -36,7 +36,8 @@ from handlers.config import DType, TooLong
 from handlers.errors import InvalidInput
 from handlers.ladder import Forward, QualityError, QualityGate, tensors
 from handlers.tasks import open_inference
-from handlers.tasks.base import Emit, Encoded, Served, Task, gate_threshold
+from handlers.tasks.base import Emit, Encoded, Served, gate_threshold
+from handlers.tasks.text import TextTask
 from handlers.tasks.decoding import (Completion, DecodeStep, GenerationBatch, GenerationRequest, Sampling, cache_needed,
                                      sample, static_cache)
 
@@ -69,7 +70,7 @@ class TokenGate(QualityGate):
         return (same.float() / max(1, want.shape[1])).min().item()
 
 
-class TextGenerationTask(Task):
+class TextGenerationTask(TextTask):
     name = "text-generation"
     open_inference_output = "generated_text"
     model_class = transformers.AutoModelForCausalLM
@@ -122,7 +123,7 @@ class TextGenerationTask(Task):
             return_full_text=_flag(params, "return_full_text", True), details=_flag(params, "details", False),
             stream=_flag(params, "stream", False))
 
-    def from_open_inference(self, texts: Mapping[str, list[str]], parameters: Mapping[str, Any]) -> Any:
+    def from_texts(self, texts: Mapping[str, list[str]], parameters: Mapping[str, Any]) -> Any:
         """One BYTES input holding one prompt; the parameters are the generation parameters (no streaming: the
         protocol's REST answer is one JSON object)."""
         prompts = open_inference.only_input(texts, self.name)

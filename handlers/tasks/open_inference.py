@@ -18,7 +18,7 @@ import binascii
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from handlers.errors import HandlerError, InvalidInput
@@ -32,14 +32,27 @@ INPUT_KEYS = ("name", "shape", "datatype", "data", "parameters")
 IGNORED_INPUT_PARAMETERS = ("content_type",)
 
 
+# The protocol's numeric datatypes and the torch dtype of each (BYTES is text).
+NUMERIC_DATATYPES = {"BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "INT16": "int16", "INT32": "int32",
+                     "INT64": "int64", "FP16": "float16", "FP32": "float32", "FP64": "float64"}
+
+
 @dataclass(frozen=True)
 class InferRequest:
-    """One v2 request: its texts by input name (row-major, as flat lists), the task options, what to return."""
+    """One v2 request: its inputs' elements by name (row-major, as flat lists), their shapes and datatypes, the task
+    options, what to return."""
 
     id: str | None
-    texts: dict[str, list[str]]
+    values: dict[str, list[Any]]
     parameters: dict[str, Any]
     outputs: tuple[str, ...] | None  # None: every output
+    shapes: dict[str, list[int]] = field(default_factory=dict, compare=False)
+    datatypes: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def texts(self) -> dict[str, list[str]]:
+        """The BYTES inputs' strings, by name."""
+        return {name: values for name, values in self.values.items() if self.datatypes.get(name, "BYTES") == "BYTES"}
 
 
 def is_request(body: Any) -> bool:
@@ -51,8 +64,9 @@ def is_request(body: Any) -> bool:
             and any("datatype" in item for item in inputs))
 
 
-def parse_request(body: Mapping[str, Any]) -> InferRequest:
-    """The v2 body checked against the protocol; InvalidInput naming the first problem."""
+def parse_request(body: Mapping[str, Any], numeric: bool = False) -> InferRequest:
+    """The v2 body checked against the protocol; InvalidInput naming the first problem. ``numeric``: the model reads
+    tensors of numbers (else BYTES only)."""
     unknown = sorted(str(key) for key in body if key not in REQUEST_KEYS + ROUTING_KEYS)
     if unknown:
         raise InvalidInput(f"unknown key(s) {', '.join(unknown)} in an inference request; the protocol allows "
@@ -63,17 +77,20 @@ def parse_request(body: Mapping[str, Any]) -> InferRequest:
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, Mapping):
         raise InvalidInput(f'"parameters" must be an object, got {type(parameters).__name__}')
-    texts: dict[str, list[str]] = {}
+    values: dict[str, list[Any]] = {}
+    shapes: dict[str, list[int]] = {}
+    datatypes: dict[str, str] = {}
     from_grpc = "model_name" in body
     for index, tensor in enumerate(body["inputs"]):
-        name, values = _input(tensor, f'"inputs"[{index}]', from_grpc)
-        if name in texts:
+        name, elements = _input(tensor, f'"inputs"[{index}]', from_grpc, numeric)
+        if name in values:
             raise InvalidInput(f'input "{name}" is given twice')
-        texts[name] = values
-    return InferRequest(request_id, texts, dict(parameters), _requested_outputs(body.get("outputs")))
+        values[name], shapes[name], datatypes[name] = elements, list(tensor["shape"]), tensor["datatype"]
+    return InferRequest(request_id, values, dict(parameters), _requested_outputs(body.get("outputs")), shapes,
+                        datatypes)
 
 
-def _input(tensor: Mapping[str, Any], where: str, from_grpc: bool) -> tuple[str, list[str]]:
+def _input(tensor: Mapping[str, Any], where: str, from_grpc: bool, numeric: bool) -> tuple[str, list[Any]]:
     unknown = sorted(str(key) for key in tensor if key not in INPUT_KEYS)
     if unknown:
         raise InvalidInput(f"unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(INPUT_KEYS)}")
@@ -84,8 +101,7 @@ def _input(tensor: Mapping[str, Any], where: str, from_grpc: bool) -> tuple[str,
     if not isinstance(name, str) or not name:
         raise InvalidInput(f'{where}: "name" must be a non-empty string')
     where = f'input "{name}"'
-    if datatype != "BYTES":
-        raise InvalidInput(f'{where} has datatype {datatype!r}; this model reads text: send "BYTES" (UTF-8 strings)')
+    _check_datatype(datatype, numeric, where)
     if (not isinstance(shape, list) or not shape
             or not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape)):
         raise InvalidInput(f'{where}: "shape" must be a non-empty list of non-negative integers, got {shape!r}')
@@ -98,11 +114,30 @@ def _input(tensor: Mapping[str, Any], where: str, from_grpc: bool) -> tuple[str,
     values = _flatten(tensor["data"])
     if len(values) != math.prod(shape):
         raise InvalidInput(f"{where} has shape {shape} ({math.prod(shape)} elements) but {len(values)} in \"data\"")
+    if datatype != "BYTES":
+        return name, _numbers_of(values, datatype, where)
     bad = next((i for i, value in enumerate(values) if not isinstance(value, str)), None)
     if bad is not None:
         raise InvalidInput(f"{where}: element {bad} of \"data\" is {type(values[bad]).__name__}; BYTES elements are "
                            "strings")
     return name, [_from_base64(value, where, index) for index, value in enumerate(values)] if from_grpc else values
+
+
+def _check_datatype(datatype: Any, numeric: bool, where: str) -> None:
+    if datatype != "BYTES" and not numeric:
+        raise InvalidInput(f'{where} has datatype {datatype!r}; this model reads text: send "BYTES" (UTF-8 strings)')
+    if datatype != "BYTES" and datatype not in NUMERIC_DATATYPES:
+        raise InvalidInput(f'{where} has datatype {datatype!r}; use one of {", ".join(NUMERIC_DATATYPES)}')
+
+
+def _numbers_of(values: list[Any], datatype: str, where: str) -> list[Any]:
+    numbers = (bool,) if datatype == "BOOL" else (int, float)
+    bad = next((i for i, value in enumerate(values) if not isinstance(value, numbers)
+                or (datatype != "BOOL" and isinstance(value, bool))), None)
+    if bad is not None:
+        raise InvalidInput(f"{where}: element {bad} of \"data\" is {type(values[bad]).__name__}; {datatype} "
+                           f"elements are {'true/false' if datatype == 'BOOL' else 'numbers'}")
+    return values
 
 
 def _from_base64(value: str, where: str, index: int) -> str:

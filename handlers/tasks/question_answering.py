@@ -27,7 +27,8 @@ import transformers
 
 from handlers.errors import InvalidInput, ModelLoadError, native_panic
 from handlers.tasks import open_inference
-from handlers.tasks.base import Encoded, ScoredTask
+from handlers.tasks.base import Encoded
+from handlers.tasks.text import ScoredTask
 from handlers.tasks.batch_encoder import ENCODING_FIELDS, WindowEncoder
 
 PIPELINE_WINDOW = 384  # the pipeline's default max_seq_len
@@ -124,7 +125,7 @@ class QuestionAnsweringTask(ScoredTask):
                                f"{self.max_inputs} per request (pt2_handlers.max_inputs_per_request)")
         return QuestionRequest(windows, options, many)
 
-    def from_open_inference(self, texts: Mapping[str, list[str]], parameters: Mapping[str, Any]) -> Any:
+    def from_texts(self, texts: Mapping[str, list[str]], parameters: Mapping[str, Any]) -> Any:
         """Two BYTES inputs, "question" and "context", with one element per pair."""
         if sorted(texts) != ["context", "question"]:
             raise InvalidInput(f'question-answering reads two BYTES inputs, "question" and "context"; got '

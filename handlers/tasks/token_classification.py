@@ -25,7 +25,8 @@ import transformers
 
 from handlers.errors import InvalidInput, ModelLoadError
 from handlers.tasks import open_inference
-from handlers.tasks.base import Encoded, ScoredTask
+from handlers.tasks.base import Encoded
+from handlers.tasks.text import ScoredTask
 
 if TYPE_CHECKING:  # transformers.pipelines imports torch._dynamo: imported where used, not at import
     from transformers.pipelines.token_classification import AggregationStrategy
