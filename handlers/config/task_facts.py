@@ -45,7 +45,6 @@ class TaskFacts:
     static_shapes_only: str | None = None  # why the task refuses the dynamic shape policy, if it does
     causal_attention: bool = False  # its models attend to earlier tokens only (decoders): no fused attention
     more_gates: tuple[GateFacts, ...] = ()  # further metrics a rung must also pass (the tensor task's max error)
-    text: bool = True  # a tokenizer reads its requests: max_length, too_long and int8_calibration apply
     needs_inputs: bool = False  # pt2_handlers.inputs must declare the model's tensors
 
     @property
@@ -95,7 +94,7 @@ TASK_FACTS: Mapping[str, TaskFacts] = MappingProxyType({facts.name: facts for fa
               causal_attention=True),
     TaskFacts("tensor", "handlers.tasks.tensor:TensorTask",
               "any nn.Module: named tensors in (pt2_handlers.inputs), tensors out", COSINE_GATE,
-              more_gates=(MAX_ERROR_GATE,), text=False, needs_inputs=True),
+              more_gates=(MAX_ERROR_GATE,), needs_inputs=True),
 )})
 TASK_NAMES: tuple[str, ...] = tuple(TASK_FACTS)
 # A task of one's own: "module:Class", the module packed at the archive's root (--extra-files).

@@ -122,7 +122,7 @@ class Task(ABC):
             return TASK_FACTS[cls.name]
         location = f"{cls.__module__}:{cls.__qualname__}"
         return TaskFacts(cls.name or location, location, (cls.__doc__ or "").strip().split("\n")[0], cls.gate,
-                         more_gates=cls.more_gates, text=False)
+                         more_gates=cls.more_gates)
 
     @classmethod
     def load(cls, setup: TaskSettings, device: torch.device) -> tuple[Task, torch.nn.Module]:
@@ -249,6 +249,16 @@ def _check_json(body: Any) -> None:
             pending.extend((item, depth + 1) for item in value)
 
 
+def float_pairs(actual: Any, expected: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each output tensor of a rung beside fp32 eager's, both float32 on the CPU; QualityError where the outputs'
+    shapes differ."""
+    got, want = list(tensors(actual)), list(tensors(expected))
+    if [t.shape for t in got] != [t.shape for t in want]:
+        raise QualityError(f"outputs have shapes {[tuple(t.shape) for t in got]}, "
+                           f"fp32 eager {[tuple(t.shape) for t in want]}")
+    return [(ours.detach().float().cpu(), theirs.float().cpu()) for ours, theirs in zip(got, want, strict=True)]
+
+
 class ScoreGate(QualityGate):
     """``score_agreement`` = 1 - the largest score difference from fp32 eager, over every output, row and
     label. ``to_scores`` turns each output tensor into the probabilities clients see (e.g. a softmax over
@@ -266,12 +276,7 @@ class ScoreGate(QualityGate):
         self.same_labels = same_labels
 
     def measure(self, actual: Any, expected: Any) -> float:
-        got, want = list(tensors(actual)), list(tensors(expected))
-        if [t.shape for t in got] != [t.shape for t in want]:
-            raise QualityError(f"outputs have shapes {[tuple(t.shape) for t in got]}, "
-                               f"fp32 eager {[tuple(t.shape) for t in want]}")
-        pairs = [(self.to_scores(ours.detach().float().cpu()), self.to_scores(theirs.float().cpu()))
-                 for ours, theirs in zip(got, want, strict=True)]
+        pairs = [(self.to_scores(ours), self.to_scores(theirs)) for ours, theirs in float_pairs(actual, expected)]
         value = 1.0 - max((ours - theirs).abs().max() for ours, theirs in pairs).nan_to_num(2.0).item()
         if self.same_labels:
             changed = sum(int((ours.argmax(-1) != theirs.argmax(-1)).sum()) for ours, theirs in pairs)
@@ -305,13 +310,8 @@ class TensorGate(QualityGate):
         self.max_error = max_error
 
     def measure(self, actual: Any, expected: Any) -> float:
-        got, want = list(tensors(actual)), list(tensors(expected))
-        if [t.shape for t in got] != [t.shape for t in want]:
-            raise QualityError(f"outputs have shapes {[tuple(t.shape) for t in got]}, "
-                               f"fp32 eager {[tuple(t.shape) for t in want]}")
         cosines, errors, scale = [], [], 0.0
-        for ours, theirs in zip(got, want, strict=True):
-            ours, theirs = ours.detach().float().cpu(), theirs.float().cpu()
+        for ours, theirs in float_pairs(actual, expected):
             rows = ours.reshape(ours.shape[0] if ours.dim() else 1, -1)
             expected_rows = theirs.reshape(rows.shape)
             same = (rows == expected_rows).all(dim=-1)  # all-zero rows have no cosine: equal is equal

@@ -10,7 +10,7 @@ the model has no mask to hide padding from: requests of different sizes on it ru
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ class TensorTask(Task):
 
     def fit_shapes(self, shapes: ShapePolicy) -> ShapePolicy:
         """Without a dynamic axis, the batch sizes alone."""
-        return shapes if self.dynamic else replace(shapes, seq_lengths=(1,))
+        return shapes if self.dynamic else super().fit_shapes(shapes)
 
     def parse(self, body: Any) -> TensorRequest:
         if isinstance(body, Mapping) and "inputs" in body:
