@@ -53,8 +53,10 @@ class ModelFiles:
                 f"({EXPORTED_SUFFIX}, torch.export.save) carries its own code; a state_dict needs the --model-file "
                 "that defines its class, and a pickled whole model is not loaded (it runs code when unpickled)")
 
-    def describe(self) -> dict[str, str | None]:
-        return {"form": self.form.value, "model_file": self.model_file, "serialized_file": self.serialized_file}
+    def describe(self) -> dict[str, str]:
+        """The form, and the files that make it (TorchServe's describe drops keys whose value is null)."""
+        files = {"model_file": self.model_file, "serialized_file": self.serialized_file}
+        return {"form": self.form.value, **{key: name for key, name in files.items() if name}}
 
 
 SAVE_PRETRAINED = ModelFiles()  # neither file: the archive holds a save_pretrained directory
