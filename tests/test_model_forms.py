@@ -156,3 +156,49 @@ def test_the_archive_files_must_make_a_model(archive_root):
         engine(archive_root, {"task": "no_such_module:Task"}, ModelFiles("model.py", "model.pth"))
     with pytest.raises(ModelLoadError, match="Hugging Face save_pretrained directory"):
         engine(archive_root, {"task": "embeddings"}, ModelFiles("model.py", "model.pth"))
+
+
+def test_package_takes_the_archivers_model_flags_and_a_hand_run_archiver_makes_the_same_archive(tmp_path,
+                                                                                                archive_root):
+    """``python -m handlers package --model-file --serialized-file --extra-files``, and torch-model-archiver run by
+    hand as the docs say (handlers/ and the task staged in a directory of their own): the same files, the same
+    manifest."""
+    import json
+    import subprocess
+    import sys
+    import zipfile
+
+    from handlers.serving import archive as package
+
+    repo = EXAMPLE.parent.parent.parent
+    config = repo / "model_configs" / "ranker-ranking-task.yaml"
+    subprocess.run([sys.executable, "-m", "handlers", "package", "--name", "ranking", "--config", str(config),
+                    "--model-file", str(archive_root / "model.py"),
+                    "--serialized-file", str(archive_root / "model.pth"),
+                    "--extra-files", str(EXAMPLE / "ranking_task.py"), "--export-path", str(tmp_path / "tool")],
+                   check=True, capture_output=True, timeout=300, cwd=repo)
+    stage = tmp_path / "stage"
+    shutil.copytree(repo / "handlers", stage / "handlers", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(EXAMPLE / "ranking_task.py", stage)
+    (tmp_path / "hand").mkdir()
+    subprocess.run([package.archiver(), "--model-name", "ranking", "--version", "1.0",
+                    "--handler", str(stage / "handlers" / "serving" / "torchserve_handler.py"),
+                    "--extra-files", str(stage), "--model-file", str(archive_root / "model.py"),
+                    "--serialized-file", str(archive_root / "model.pth"), "--config-file", str(config),
+                    "--export-path", str(tmp_path / "hand"), "--archive-format", "zip-store"],
+                   check=True, capture_output=True, timeout=300)
+    archives = [zipfile.ZipFile(tmp_path / kind / "ranking.mar") for kind in ("tool", "hand")]
+    names = [set(mar.namelist()) for mar in archives]
+    assert names[0] == names[1] and {"model.py", "model.pth", "ranking_task.py", "torchserve_handler.py"} <= names[0]
+    manifests = [json.loads(mar.read("MAR-INF/MANIFEST.json"))["model"] for mar in archives]
+    assert manifests[0] == manifests[1] and manifests[0]["serializedFile"] == "model.pth"
+
+
+def test_package_refuses_a_pickle_that_is_more_than_tensors(tmp_path, archive_root):
+    from handlers.serving import archive as package
+
+    torch.save(Whole(), tmp_path / "whole.pth")
+    with pytest.raises(SystemExit, match="is a pickle that imports .*Whole.*torch.save\\(model.state_dict"):
+        package.build("whole", None, EXAMPLE.parent.parent.parent / "model_configs" / "ranker-tensor.yaml",
+                      tmp_path / "store", files=package.ModelForm(archive_root / "model.py", tmp_path / "whole.pth"))
+    assert not (tmp_path / "store").exists()
