@@ -104,7 +104,7 @@ report() {
 
 case "$PROFILE" in
   default)
-    extras=(cpu int8 test grpc deploy example docs openai)
+    extras=(cpu int8 openvino test grpc deploy example docs openai)
     spec=".[$(IFS=,; echo "${extras[*]}")]"
     if [ -n "${VENV:-}" ] || { [ -d .venv ] && [ ! -L .venv ]; }; then
       VENV=${VENV:-.venv}  # yours: installed into as it is

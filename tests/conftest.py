@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     profile and the IPEX wheel unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv;
     default_profile runs in the default profile only; ipex_stage runs in the ipex stage where scripts/test.sh runs one
     beside the default stage (PT2_STAGES), else in the default profile; torchao needs torchao, which the default
-    profile installs and the ipex profile (torch 2.8) has not. scripts/test.sh provides all but the first two, says
+    profile installs and the ipex profile (torch 2.8) has not; openvino likewise. scripts/test.sh provides all but the first two, says
     which profile each stage is (PT2_PROFILE) and runs both, so only gpu, and fused_kernel on an AVX2-only CPU, stay
     unrun."""
     for marker, reason in unavailable_reasons(declared_profile()).items():
@@ -83,7 +83,8 @@ def unavailable_reasons(profile: str | None) -> dict[str, str | None]:
         f"set {QA_REFERENCE_ENV} to transformers 4.57.1 (scripts/test.sh does: setup.sh --qa-reference)")
     return {"gpu": gpu, "ipex": ipex, "ipex_mismatch": mismatch, "qa_reference": qa_reference,
             "default_profile": default_only, "ipex_stage": ipex_stage_reason(profile),
-            "torchao": torchao_reason(profile), "fused_kernel": fused_kernel_reason()}
+            "torchao": torchao_reason(profile), "openvino": openvino_reason(profile),
+            "fused_kernel": fused_kernel_reason()}
 
 
 def ipex_stage_reason(profile: str | None) -> str | None:
@@ -112,6 +113,17 @@ def torchao_reason(profile: str | None) -> str | None:
     from handlers.precision.quantize import probe_torchao
 
     reason = probe_torchao()[1]
+    return None if reason is None else f"{reason} (the default profile has it)"
+
+
+def openvino_reason(profile: str | None) -> str | None:
+    """Why the openvino rung's tests cannot run here. Never in the default profile, which installs openvino: there an
+    openvino that does not import fails those tests instead of hiding them."""
+    if profile == "default":
+        return None
+    from handlers.rungs.openvino import probe_openvino
+
+    reason = probe_openvino()[1]
     return None if reason is None else f"{reason} (the default profile has it)"
 
 

@@ -117,7 +117,7 @@ def test_the_input_mapping_is_never_mutated():
          r"pt2_handlers.task: unknown task 'translation'; use one of: embeddings"),
         ({"pt2_handlers": {"dtype": "float8"}},
          r"pt2_handlers.dtype: 'float8' is not allowed \(did you mean float32\?\); use one of: auto, float32"),
-        ({"pt2_handlers": {"ladder": ["compile", "tensorrt"]}}, r"unknown rung 'tensorrt'; use some of: compile"),
+        ({"pt2_handlers": {"ladder": ["compile", "tensorrt"]}}, r"unknown rung 'tensorrt'; use some of: openvino, compile"),
         ({"pt2_handlers": {"ladder": ["eager", "compile"]}}, r"eager is the last resort and must come last"),
         ({"pt2_handlers": {"ladder": ["compile", "compile"]}}, r"each rung may appear once"),
         ({"pt2_handlers": {"max_length": 0}}, r"pt2_handlers.max_length must be a positive integer, got 0"),

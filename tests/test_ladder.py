@@ -184,7 +184,8 @@ def test_real_inductor_compile_is_accepted(net, batches):
 
 
 def test_build_ladder_skips_what_cannot_run(net, batches):
-    config = load_config({"pt2": {"compile": {"enable": False}}})
+    config = load_config({"pt2": {"compile": {"enable": False}},
+                          "pt2_handlers": {"ladder": ["compile", "safe_compile", "ipex", "eager"]}})
     result = ladder(net, build_rungs(config, torch.device("cpu")), batches)
     skipped = {a.rung: a.reason for a in result.attempts if a.status is AttemptStatus.SKIPPED}
     assert skipped["compile"] == skipped["safe_compile"] == "pt2.compile.enable is not true"
@@ -198,8 +199,8 @@ def test_build_ladder_skips_what_cannot_run(net, batches):
 def test_safe_compile_identical_to_the_request_is_skipped():
     config = load_config({"pt2": {"compile": {"enable": True}}, "pt2_handlers": {"freezing": False}})
     rungs = build_rungs(config, torch.device("cpu"))
-    assert [r.name for r in rungs] == ["compile", "safe_compile", "ipex", "eager"]
-    assert rungs[1].unavailable_reason() == "identical to the compile rung"
+    assert [r.name for r in rungs] == ["openvino", "compile", "safe_compile", "ipex", "eager"]
+    assert rungs[2].unavailable_reason() == "identical to the compile rung"
 
 
 @pytest.mark.parametrize("freezing", [True, False])

@@ -179,3 +179,63 @@ def test_int8_that_fails_its_gate_is_not_raced():
 def test_a_precision_that_must_pay_needs_a_judge():
     with pytest.raises(ValueError, match="int8 must pay its way"):
         walk(RUNGS, INT8_BF16_FP32, lambda step: A, runs_in=compile_only_int8, must_pay=["int8"])
+
+
+RACING = ("openvino", "compile", "safe_compile", "ipex", "eager")
+
+
+def rung_race(outcomes, winner, settled_rungs=(), precisions=BF16_FP32):
+    """A ladder whose openvino and compile rungs race each other (rule 7); ``winner``: which side ``faster`` picks."""
+    asked, raced = [], []
+
+    def attempt(step: Step) -> Outcome:
+        key = f"{'screen' if step.screen else step.rung}@{step.precision}"
+        asked.append(key)
+        return outcomes.get(key, R)
+
+    def faster(first, second):
+        raced.append((f"{first.rung}@{first.precision}", f"{second.rung}@{second.precision}"))
+        return first if winner == "first" else second
+
+    def runs_in(rung, precision):
+        return precision != "int8" or rung in ("compile", "safe_compile")
+
+    served = walk(RACING, precisions, attempt, runs_in=runs_in, must_pay=["int8"], faster=faster,
+                  settled=lambda step, rival: False,
+                  rival_of=lambda rung: {"openvino": "compile", "compile": "openvino"}.get(rung),
+                  rung_settled=lambda step, rival: (step.rung, rival) in settled_rungs)
+    return asked, raced, f"{served.rung}@{served.precision}"
+
+
+@pytest.mark.parametrize("winner", ["first", "second"])
+def test_an_accepted_rung_races_the_next_racing_rung_and_the_faster_serves(winner):
+    asked, raced, served = rung_race({"screen@bfloat16": A, "openvino@bfloat16": A, "compile@bfloat16": A}, winner)
+    assert asked == ["screen@bfloat16", "openvino@bfloat16", "compile@bfloat16"]
+    assert raced == [("openvino@bfloat16", "compile@bfloat16")]
+    assert served == ("openvino@bfloat16" if winner == "first" else "compile@bfloat16")
+
+
+def test_the_rival_rung_walks_its_own_precisions_int8_race_included():
+    """compile runs int8, which openvino does not: compile's own int8 race settles its step, which then races."""
+    asked, raced, served = rung_race(
+        {"screen@int8": A, "screen@bfloat16": A, "openvino@bfloat16": A, "compile@int8": A, "compile@bfloat16": A},
+        "second", precisions=INT8_BF16_FP32)
+    assert asked == ["screen@bfloat16", "openvino@bfloat16", "screen@int8", "compile@int8", "compile@bfloat16"]
+    # the int8 race on compile (int8 against bf16), then openvino against what it left
+    assert raced == [("compile@int8", "compile@bfloat16"), ("openvino@bfloat16", "compile@bfloat16")]
+    assert served == "compile@bfloat16"
+
+
+def test_a_rival_that_fails_or_an_earlier_race_leaves_the_accepted_rung_serving():
+    asked, raced, served = rung_race({"screen@bfloat16": A, "openvino@bfloat16": A, "compile@bfloat16": R}, "second")
+    assert (asked[-1], raced, served) == ("compile@bfloat16", [], "openvino@bfloat16")
+    asked, raced, served = rung_race({"screen@bfloat16": A, "openvino@bfloat16": A, "compile@bfloat16": A}, "second",
+                                     settled_rungs=[("openvino", "compile")])
+    assert (asked, raced, served) == (["screen@bfloat16", "openvino@bfloat16"], [], "openvino@bfloat16")
+
+
+def test_a_rung_that_falls_through_to_its_rival_is_not_raced_again():
+    """openvino cannot convert the model: compile serves, and races nothing (its rival came before it)."""
+    asked, raced, served = rung_race({"screen@bfloat16": A, "openvino@bfloat16": R, "compile@bfloat16": A}, "first")
+    assert (asked, raced, served) == (["screen@bfloat16", "openvino@bfloat16", "compile@bfloat16"], [],
+                                      "compile@bfloat16")

@@ -25,12 +25,14 @@ from handlers.config.schema import ModelYaml, validate_model_yaml
 from handlers.config.settings import SettingsSection, shape_policy
 from handlers.config.shapes import ShapePolicy
 from handlers.config.task_facts import TASK_FACTS
-from handlers.config.values import (IPEX_BACKEND, Attention, Choice, CompileSpec, DType, HandlerConfig, HandlerSettings,
-                                    ModuleGuards, RungName, TooLong, resolve_backend)
+from handlers.config.values import (IPEX_BACKEND, OPENVINO_BACKEND, Attention, Choice, CompileSpec, DType,
+                                    HandlerConfig, HandlerSettings, ModuleGuards, Pick, RungName, TooLong,
+                                    resolve_backend)
 from handlers.errors import ConfigError
 
-__all__ = ["IPEX_BACKEND", "Attention", "Choice", "CompileSpec", "DType", "HandlerConfig", "HandlerSettings",
-           "ModuleGuards", "RungName", "TooLong", "load_config", "load_config_file", "resolve_backend"]
+__all__ = ["IPEX_BACKEND", "OPENVINO_BACKEND", "Attention", "Choice", "CompileSpec", "DType", "HandlerConfig",
+           "HandlerSettings", "ModuleGuards", "Pick", "RungName", "TooLong", "load_config", "load_config_file",
+           "resolve_backend"]
 
 
 def load_config_file(path: Path) -> HandlerConfig:
@@ -72,7 +74,7 @@ def _compile_spec(parsed: ModelYaml) -> CompileSpec:
 def _settings(section: SettingsSection, compile_dynamic: bool | None) -> HandlerSettings:
     return HandlerSettings(
         task=section.task, model_dir=section.model_dir, max_length=section.max_length, too_long=section.too_long,
-        dtype=section.dtype, int8_calibration=section.int8_calibration, ladder=section.ladder,
+        dtype=section.dtype, int8_calibration=section.int8_calibration, ladder=section.ladder, pick=section.pick,
         shapes=shape_policy(section.shapes, _default_shapes(section.task), compile_dynamic),
         quality_gate=section.quality_gate, freezing=section.freezing, attention=section.attention,
         module_guards=section.module_guards, threads=section.threads,
@@ -98,4 +100,8 @@ def pt2_warnings(value: Any) -> tuple[str, ...]:
         return ("pt2 with compile options at its top level is deprecated; move them under pt2.compile",)
     if not isinstance(value["compile"], Mapping) or value["compile"].get("enable") is None:
         return ("pt2.compile has no 'enable' key: compile stays off (set enable: true to turn it on)",)
+    if value["compile"].get("backend") == OPENVINO_BACKEND:
+        return (f"pt2.compile.backend: {OPENVINO_BACKEND} is served by the openvino rung (OpenVINO converts the "
+                "exported module at load and the quality gate proves it before READY); dynamo's openvino backend is "
+                "not used",)
     return ()

@@ -9,7 +9,7 @@ import torch
 from pydantic import ConfigDict, Field, StrictBool, StrictStr, ValidationInfo, WithJsonSchema, field_validator
 
 from handlers.config.fields import Section, did_you_mean, nearest, problem, problems, shown
-from handlers.config.values import IPEX_BACKEND, resolve_backend
+from handlers.config.values import IPEX_BACKEND, OPENVINO_BACKEND, resolve_backend
 
 
 class CompileSection(Section):
@@ -17,9 +17,11 @@ class CompileSection(Section):
 
     enable: StrictBool = False
     """Compile at all. Left out, compile stays off, with a warning (TorchServe itself raises KeyError there)."""
-    backend: StrictStr = Field("inductor", examples=["inductor", "eager", "aot_eager", "ipex", "my_module:my_backend"])
-    """A name in `torch._dynamo.list_backends()`, `ipex` (the ipex profile), or `module:function` to import your own,
-    e.g. from a file packed at the archive root with `python -m handlers package --extra-file my_module.py`."""
+    backend: StrictStr = Field("inductor", examples=["inductor", "eager", "aot_eager", "ipex", "openvino",
+                                                     "my_module:my_backend"])
+    """A name in `torch._dynamo.list_backends()`, `ipex` (the ipex profile), `openvino` (served by the openvino rung,
+    not through dynamo: the compile rung is skipped, with the reason), or `module:function` to import your own, e.g.
+    from a file packed at the archive root with `python -m handlers package --extra-file my_module.py`."""
     mode: StrictStr | None = Field(None, examples=["default", "reduce-overhead", "max-autotune",
                                                    "max-autotune-no-cudagraphs"])
     """An inductor mode (`torch._inductor.list_mode_options()`); inductor only, and not together with `options`."""
@@ -39,7 +41,7 @@ class CompileSection(Section):
                 resolve_backend(name)
             except Exception as exc:  # an import error, a missing attribute: all are config errors here
                 raise problem(f"cannot load custom backend {name!r}: {type(exc).__name__}: {exc}") from None
-        elif name != IPEX_BACKEND and name not in torch._dynamo.list_backends(exclude_tags=()):
+        elif name not in (IPEX_BACKEND, OPENVINO_BACKEND) and name not in torch._dynamo.list_backends(exclude_tags=()):
             # ipex registers only once imported; the compile rung probes it and says why not
             listed = torch._dynamo.list_backends()
             raise problem(f"{name!r} is not a registered torch.compile backend"

@@ -17,7 +17,7 @@ from handlers.config.fields import (PositiveInt, PositiveInts, Seconds, Section,
 from handlers.config.shapes import AfterReady, PolicyKind, ShapePolicy
 from handlers.config.inputs import InputSection
 from handlers.config.task_facts import TASK_FACTS, TASK_NAMES, USER_TASK_PATTERN, is_user_task
-from handlers.config.values import Attention, DType, HandlerSettings, ModuleGuards, RungName, TooLong
+from handlers.config.values import Attention, DType, HandlerSettings, ModuleGuards, Pick, RungName, TooLong
 
 DEFAULTS = HandlerSettings()
 PRECISIONS = tuple(d.value for d in DType if d is not DType.AUTO)  # what a dtype list may name (and auto, last)
@@ -311,9 +311,17 @@ class SettingsSection(Section):
     all but every 4th line and judged on those. Left out: int8 is calibrated on the warmup batches and judged also
     on texts of words sampled from the tokenizer's vocabulary (seeded)."""
     ladder: Ladder = Field(DEFAULTS.ladder, json_schema_extra={"uniqueItems": True, "minItems": 1})
-    """The rungs to try, in order: `compile` (what `pt2.compile` asks for), `safe_compile` (inductor, default mode,
-    no custom options), `ipex` (CPU only), `eager`. `eager` always ends the ladder: left out, it is added; listed,
-    it must be last."""
+    """The rungs to try, in order: `openvino` (the module exported with torch.export, converted and compiled by
+    OpenVINO for the CPU, in bf16 by its precision hint where bf16 passed its screen, else f32; the default profile
+    installs it), `compile` (what `pt2.compile` asks for), `safe_compile` (inductor, default mode, no custom options),
+    `ipex` (CPU only), `eager`. `eager` always ends the ladder: left out, it is added; listed, it must be last. See
+    `pick` for which proven rung serves."""
+    pick: one_of(Pick) = DEFAULTS.pick
+    """Which proven rung serves. `fastest`: the first rung of the ladder that passes the gate is raced against the next
+    racing rung (`openvino` and `compile` race each other; `safe_compile` and `ipex` do not) on the warmup batches,
+    and the later one serves only where it is at least 5 % faster; the race is kept beside the compile cache, and a
+    later load on the same machine follows it without building the loser. `first`: the first rung of the ladder that
+    passes the gate serves, as listed."""
     shapes: ShapesSection = Field(default_factory=ShapesSection, validate_default=True)  # checked against the task
     """The shape policy."""
     quality_gate: GateThresholds = Field(default_factory=lambda: MappingProxyType({}),

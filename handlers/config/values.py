@@ -28,15 +28,26 @@ class Choice:
 
 
 IPEX_BACKEND = "ipex"  # the torch.compile backend IPEX registers when imported
+# TorchServe users write pt2.compile.backend: openvino (OpenVINO's dynamo backend); pt2-handlers serves it with the
+# openvino rung, which converts the module itself (handlers.rungs.openvino)
+OPENVINO_BACKEND = "openvino"
 
 
 class RungName(str, enum.Enum):
     """The optimization ladder's rungs, tried in the configured order."""
 
+    OPENVINO = "openvino"  # the module exported, converted and compiled by OpenVINO, CPU only
     COMPILE = "compile"  # exactly what pt2.compile asks for
     SAFE_COMPILE = "safe_compile"  # inductor, default mode: no CUDA graphs, no autotuning, no custom options
     IPEX = "ipex"  # intel_extension_for_pytorch.optimize, CPU only
     EAGER = "eager"  # the plain model; always last, always works
+
+
+class Pick(str, enum.Enum):
+    """Which proven rung serves."""
+
+    FASTEST = "fastest"  # the first rung that proves itself races the next racing rung (openvino, compile)
+    FIRST = "first"  # the first rung of the ladder that proves itself: the order is pinned
 
 
 class DType(str, enum.Enum):
@@ -161,7 +172,9 @@ class HandlerSettings:
     # The precisions the model may serve in, fastest first; (AUTO,) resolves from the hardware at load.
     dtype: tuple[DType, ...] = (DType.AUTO,)
     int8_calibration: str | None = None  # a file of texts in the archive; None: the warmup batches
-    ladder: tuple[RungName, ...] = (RungName.COMPILE, RungName.SAFE_COMPILE, RungName.IPEX, RungName.EAGER)
+    ladder: tuple[RungName, ...] = (RungName.OPENVINO, RungName.COMPILE, RungName.SAFE_COMPILE, RungName.IPEX,
+                                    RungName.EAGER)
+    pick: Pick = Pick.FASTEST
     shapes: ShapePolicy = field(default_factory=ShapePolicy)
     quality_gate: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     freezing: bool = False  # faster forwards, slower warm restarts: the model YAML chooses

@@ -19,13 +19,15 @@ of 16: SDPA, as before.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,6 +214,25 @@ def _register_with_transformers() -> None:
     AttentionMaskInterface.register(IMPLEMENTATION, mask)
 
 
+_LEFT_OUT = threading.local()
+
+
+@contextlib.contextmanager
+def left_out() -> Iterator[None]:
+    """Graphs traced inside run SDPA as the model comes: for a runtime that does not know this package's kernel
+    (OpenVINO converts the graph torch.export traces)."""
+    before = getattr(_LEFT_OUT, "on", False)
+    _LEFT_OUT.on = True
+    try:
+        yield
+    finally:
+        _LEFT_OUT.on = before
+
+
+def _in_traced_graph() -> bool:
+    return torch.compiler.is_compiling() and not getattr(_LEFT_OUT, "on", False)
+
+
 def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
          mask_function: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
     """A transformers mask function: SDPA's masks, but while a graph is traced, an encoder's padding mask stays
@@ -219,7 +240,7 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
     would write out for every layer (6 copies, 1.8 ms of MiniLM's int8 forward at 8 x 128; the kernel broadcasts)."""
     from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
 
-    if (torch.compiler.is_compiling() and mask_function is bidirectional_mask_function and attention_mask is not None
+    if (_in_traced_graph() and mask_function is bidirectional_mask_function and attention_mask is not None
             and attention_mask.dim() == 2 and q_offset == 0 and kv_offset == 0 and not kwargs.get("use_vmap")
             and kwargs.get("local_size") is None and attention_mask.shape[-1] == kv_length):
         return attention_mask.to(torch.bool)[:, None, None, :]
@@ -234,7 +255,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     fits; else (eager forwards, and what it does not cover) transformers' SDPA function, unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if torch.compiler.is_compiling() and fits(module, query, key, value, attention_mask, dropout, kwargs):
+    if _in_traced_graph() and fits(module, query, key, value, attention_mask, dropout, kwargs):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return torch.ops.pt2_handlers.fused_attention(query, key, value, attention_mask, scale), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

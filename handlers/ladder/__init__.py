@@ -40,7 +40,7 @@ MUST_PAY = (DType.INT8,)
 
 
 def run_ladder(reference: torch.nn.Module, rungs: Sequence[Rung], warmup: Warmup, precisions: Precisions,
-               site: Site | None = None, module_guards_optional: bool = True) -> LadderResult:
+               site: Site | None = None, module_guards_optional: bool = True, race_rungs: bool = True) -> LadderResult:
     """Walk ``rungs`` x ``precisions`` (fastest first) in ``handlers.ladder.plan``'s order; return the first attempt
     that runs and whose answers pass ``warmup``'s gate against ``reference`` (the fp32 model run eagerly). If none
     does, serve the reference. An accepted int8 attempt serves only if it is faster on the warmup batches than the
@@ -48,7 +48,8 @@ def run_ladder(reference: torch.nn.Module, rungs: Sequence[Rung], warmup: Warmup
     screen passed, and which of them int8 takes too is measured. What a load measures is kept at ``site`` for the
     next load. An accepted compiled forward is proven again at each of the site's thread counts. Unless
     ``module_guards_optional`` is False, compile rungs leave out the guards on the model's attributes where the
-    reference forwards left them as they were (``handlers.rungs.module_guards``)."""
+    reference forwards left them as they were (``handlers.rungs.module_guards``). With ``race_rungs``, an accepted
+    rung that races (openvino, compile) is raced against the next racing rung of the ladder, and the faster serves."""
     site = site or Site()
     with torch.inference_mode():
         references, changed = module_guards.run_watching_state(
@@ -57,10 +58,12 @@ def run_ladder(reference: torch.nn.Module, rungs: Sequence[Rung], warmup: Warmup
     calibration = precisions.int8_calibration
     if DType.INT8 in precisions.order and calibration is None:
         calibration = Calibration(warmup.batches, (), "the warmup batches")
-    walk = _walk(reference, rungs, warmup, references, precisions, calibration, site)
+    for rung in rungs:
+        rung.prepare(warmup.batches)
+    walk = _walk(reference, rungs, warmup, references, precisions, calibration, site, race_rungs)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions.order], walk.attempt,
                      runs_in=walk.runs_in, must_pay=[p.value for p in MUST_PAY], faster=walk.faster,
-                     settled=walk.settled)
+                     settled=walk.settled, rival_of=walk.rival_of, rung_settled=walk.rung_settled)
     calibration_said = None if calibration is None else calibration.describe(len(warmup.batches))
     weights_key = walk.races.decisions.weights_key
     if step.is_reference:
@@ -69,17 +72,17 @@ def run_ladder(reference: torch.nn.Module, rungs: Sequence[Rung], warmup: Warmup
                                        f"{' or '.join(p.value for p in precisions.order)}; serving fp32 eager")
         walk.attempts.append(Attempt(plan.EAGER, AttemptStatus.ACCEPTED, reason, 0.0, DType.FLOAT32.value))
         return LadderResult(plan.EAGER, reference, DType.FLOAT32, walk.attempts, calibration_said, weights_key,
-                            module_guards=guards_kept or "not compiled: eager serves")
+                            module_guards=guards_kept or "not compiled: eager serves", rung_race=walk.rung_race)
     rung, dtype, forward = walk.rungs[step.rung], DType(step.precision), walk.forwards[step]
     threads = None if rung.follows_threads() else (torch.get_num_threads(),)
     if rung.compiles:
         threads = walk.proof.at_thread_counts(rung, forward, dtype, site.thread_counts)
     return LadderResult(step.rung, forward, dtype, walk.attempts, calibration_said, weights_key, threads,
-                        _module_guards_said(rung, dtype, guards_kept, len(warmup.batches)))
+                        _module_guards_said(rung, dtype, guards_kept, len(warmup.batches)), walk.rung_race)
 
 
 def _walk(reference: torch.nn.Module, rungs: Sequence[Rung], warmup: Warmup, references: Sequence[object],
-          precisions: Precisions, calibration: Calibration | None, site: Site) -> Walk:
+          precisions: Precisions, calibration: Calibration | None, site: Site, race_rungs: bool) -> Walk:
     """The walk's parts, wired: what proves an attempt, the decisions kept, int8's layers, the model in each
     precision, the screens and the races."""
     proof = Proof(reference, warmup, references, calibration)
@@ -90,7 +93,7 @@ def _walk(reference: torch.nn.Module, rungs: Sequence[Rung], warmup: Warmup, ref
     variants = ModelVariants(reference, calibration, int8_layers, lambda: screens.int8_rest())
     screens = Screens(proof, variants, int8_layers, races, precisions.must_beat_fp32,
                       torch.bfloat16 if DType.BFLOAT16 in precisions.order else torch.float32, attempts.append)
-    return Walk(rungs, proof, variants, screens, races, int8_layers, attempts)
+    return Walk(rungs, proof, variants, screens, races, int8_layers, attempts, race_rungs, precisions.order)
 
 
 def _module_guards(rungs: Sequence[Rung], changed: Sequence[str], optional: bool) -> tuple[list[Rung], str | None]:

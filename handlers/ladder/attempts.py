@@ -25,7 +25,7 @@ class AttemptStatus(str, enum.Enum):
     PASSED = "passed"  # a precision's screen: its eager answers passed the gate
     FAILED = "failed"
     SKIPPED = "skipped"
-    SLOWER = "slower"  # passed the gate, but lost the race against another precision on the same rung
+    SLOWER = "slower"  # passed the gate, but lost the race against another precision or rung
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Attempt:
     quality: Quality | None = None
     screen: bool = False  # eager at a half precision, run before that precision's first real attempt
     dynamo: DynamoCounts | None = None  # a compile rung's warmup: graphs, graph breaks, frames given up
-    forward_ms: float | None = None  # raced (int8 and its rival): sum of the fastest ms per warmup batch
+    forward_ms: float | None = None  # raced (int8 and its rival, two rungs): sum of the fastest ms per warmup batch
 
     def but(self, **changes: Any) -> Attempt:
         """This attempt with ``changes`` (a race's outcome, a screen's reason)."""
@@ -80,6 +80,8 @@ class LadderResult:
     threads: tuple[int, ...] | None = None  # the thread counts ``forward`` was proven at; None: it runs at any
     # whether compile rungs guard the model's attributes, and why (handlers.rungs.module_guards)
     module_guards: str = ""
+    # two rungs raced (openvino and compile): which served, against which, their times, by how much
+    rung_race: dict[str, Any] | None = None
 
 
 def summarize(exc: BaseException, limit: int = 300) -> str:

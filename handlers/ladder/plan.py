@@ -15,6 +15,10 @@ precisions come from the YAML's ``dtype``, fastest first; fp32 eager, the refere
 6. A precision that must *pay* (int8: it trades answers for speed) and is accepted is raced against the same
    rung at the next precision that keeps the answers; the faster of the two serves (``faster`` decides). Where an
    earlier load already found it faster (``settled``), the rival is not built.
+7. An accepted rung that races (``rival_of`` names its rival: openvino and compile race each other) is raced against
+   its rival rung, walked as any rung (rules 2, 3 and 6) where it comes later in the ladder; the rival serves only if
+   ``faster`` finds it faster. Where an earlier load found the accepted rung faster (``rung_settled``), the rival is
+   not built.
 
 Pure Python: the ladder (``handlers.ladder``) supplies ``attempt``, which runs a step and says how it went.
 """
@@ -54,36 +58,67 @@ REFERENCE = Step(EAGER, REFERENCE_PRECISION)
 def walk(rungs: Sequence[str], precisions: Sequence[str], attempt: Callable[[Step], Outcome],
          runs_in: Callable[[str, str], bool] = lambda rung, precision: True,
          must_pay: Collection[str] = (), faster: Callable[[Step, Step], Step] | None = None,
-         settled: Callable[[Step, Step], bool] = lambda step, rival: False) -> Step:
+         settled: Callable[[Step, Step], bool] = lambda step, rival: False,
+         rival_of: Callable[[str], str | None] = lambda rung: None,
+         rung_settled: Callable[[Step, str], bool] = lambda step, rival: False) -> Step:
     """Make the attempts in the ladder's order, each through ``attempt``, until one is accepted; return it.
     ``rungs`` in the configured order, ``precisions`` fastest first; ``runs_in(rung, precision)`` says which
     pairs exist at all. Returns ``REFERENCE`` when no other step is accepted (``attempt`` is never asked to run
     it: the reference needs no proof). An accepted step in a ``must_pay`` precision serves only if
     ``faster(step, rival)`` picks it over the same rung at the next precision that is accepted, or
-    ``settled(step, rival)`` says it is faster without the rival being tried (rule 6)."""
-    screened: dict[str, bool] = {}
+    ``settled(step, rival)`` says it is faster without the rival being tried (rule 6). An accepted step whose rung
+    has a rival later in ``rungs`` (``rival_of``) is raced against that rung's own accepted step (rule 7)."""
+    rung_walk = _RungWalk(precisions, attempt, runs_in, must_pay, faster, settled)
+    for index, rung in enumerate(rungs):
+        step = rung_walk(rung)
+        if step is None:
+            continue
+        rival = rival_of(rung)
+        if step.is_reference or rival is None or rival not in rungs[index + 1:] or rung_settled(step, rival):
+            return step
+        if faster is None:
+            raise ValueError(f"{rung} races {rival}: walk needs faster to judge them")
+        challenger = rung_walk(rival)
+        return step if challenger is None or challenger.is_reference else faster(step, challenger)
+    return REFERENCE
 
-    def allowed(precision: str) -> bool:
+
+class _RungWalk:
+    """One rung's attempts at the precisions, fastest first (rules 1-6): its accepted step, the reference where the
+    walk reaches fp32 eager, or None. Each precision is screened once, before its first attempt on any rung."""
+
+    def __init__(self, precisions: Sequence[str], attempt: Callable[[Step], Outcome],
+                 runs_in: Callable[[str, str], bool], must_pay: Collection[str],
+                 faster: Callable[[Step, Step], Step] | None, settled: Callable[[Step, Step], bool]):
+        self.precisions = precisions
+        self.attempt = attempt
+        self.runs_in = runs_in
+        self.must_pay = must_pay
+        self.faster = faster
+        self.settled = settled
+        self.screened: dict[str, bool] = {}
+
+    def allowed(self, precision: str) -> bool:
         if precision == REFERENCE_PRECISION:
             return True
-        if precision not in screened:
-            screened[precision] = attempt(Step(EAGER, precision, screen=True)) is Outcome.ACCEPTED
-        return screened[precision]
+        if precision not in self.screened:
+            self.screened[precision] = self.attempt(Step(EAGER, precision, screen=True)) is Outcome.ACCEPTED
+        return self.screened[precision]
 
-    for rung in rungs:
-        for precision in precisions:
+    def __call__(self, rung: str) -> Step | None:
+        for precision in self.precisions:
             step = Step(rung, precision)
             if step.is_reference:
                 return REFERENCE
-            if not runs_in(rung, precision) or not allowed(precision):
+            if not self.runs_in(rung, precision) or not self.allowed(precision):
                 continue
-            outcome = attempt(step)
+            outcome = self.attempt(step)
             if outcome is Outcome.ACCEPTED:
-                return (_raced(step, precisions, attempt, runs_in, allowed, faster, settled) if precision in must_pay
-                        else step)
+                return (_raced(step, self.precisions, self.attempt, self.runs_in, self.allowed, self.faster,
+                               self.settled) if precision in self.must_pay else step)
             if outcome is not Outcome.GATE_FAILED:
-                break  # raised or cannot run: the next rung, at the fastest precision
-    return REFERENCE
+                return None  # raised or cannot run: the next rung, at the fastest precision
+        return None
 
 
 def _raced(step: Step, precisions: Sequence[str], attempt: Callable[[Step], Outcome],

@@ -26,8 +26,13 @@ class Walk:
     """Runs the steps ``plan.walk`` asks for (``attempt``), and decides its races (``faster``, ``settled``)."""
 
     def __init__(self, rungs: Sequence[Rung], proof: Proof, variants: ModelVariants, screens: Screens,
-                 races: race.KeptRaces, int8_layers: Int8Layers, attempts: list[Attempt]):
+                 races: race.KeptRaces, int8_layers: Int8Layers, attempts: list[Attempt],
+                 race_rungs: bool = True, precisions: Sequence[DType] = ()):
         self.rungs = {rung.name: rung for rung in rungs}
+        self.order = [rung.name for rung in rungs]
+        self.race_rungs = race_rungs
+        self.precisions = tuple(p.value for p in precisions)
+        self.rung_race: dict[str, object] | None = None  # the race of two rungs, for describe
         self.proof = proof
         self.variants = variants
         self.screens = screens
@@ -51,28 +56,41 @@ class Walk:
                                          dtype.value, screen.quality))
             self.forwards[step] = self.variants[dtype]
             return plan.Outcome.ACCEPTED
-        attempt, forward = self.proof.attempt(rung, self.variants[dtype], dtype)
+        lost = self._lost_before(step)
+        if lost is not None:
+            self.attempts.append(lost)
+            return plan.Outcome.SKIPPED
+        attempt, forward = self.proof.attempt(rung, self._module(step), dtype)
         self.attempts.append(attempt)
         if forward is not None:
             self.forwards[step] = forward
             self._attempt_of[step] = len(self.attempts) - 1
         return attempt.outcome()
 
-    def faster(self, challenger: plan.Step, rival: plan.Step) -> plan.Step:
-        """Race two accepted steps of one rung on the warmup batches; record both times; the challenger (int8)
-        serves only if it pays (``race.MIN_GAIN``). The loser's forward is dropped."""
+    def rival_of(self, rung: str) -> str | None:
+        """The rung ``rung`` races once accepted: the next racing rung after it in the ladder (openvino and compile
+        race each other), where the YAML's ``pick`` is fastest."""
+        if not self.race_rungs or not self.rungs[rung].races:
+            return None
+        later = self.order[self.order.index(rung) + 1:]
+        return next((name for name in later if self.rungs[name].races), None)
+
+    def faster(self, first: plan.Step, second: plan.Step) -> plan.Step:
+        """Race two accepted steps on the warmup batches; record both times; the challenger serves only if it pays
+        (``race.MIN_GAIN``). Of one rung the challenger is ``first`` (int8, against the next precision); of two rungs
+        it is ``second``, the later rung of the ladder. The loser's forward is dropped."""
         started = time.perf_counter()
-        raced = self.races([self.forwards[challenger], self.forwards[rival]], self._raced_what(challenger, rival))
+        challenger, rival = (first, second) if first.rung == second.rung else (second, first)
+        raced = self.races([self.forwards[challenger], self.forwards[rival]], self._raced_what(first, second))
         ms = raced.ms
         pays = race.pays(ms[0], ms[1])
         winner, loser = (challenger, rival) if pays else (rival, challenger)
         timed = self._timed(challenger, rival, raced)
+        what = _label(challenger, rival)
         if pays:
-            reasons = {winner: f"faster: {timed}", loser: f"passed the gate, but {challenger.precision} was faster "
-                                                           f"here: {timed}"}
+            reasons = {winner: f"faster: {timed}", loser: f"passed the gate, but {what} was faster here: {timed}"}
         else:
-            reasons = {winner: f"serves: {challenger.precision} passed the gate, but was not "
-                               f"{race.MIN_GAIN:.0%} faster here: {timed}",
+            reasons = {winner: f"serves: {what} passed the gate, but was not {race.MIN_GAIN:.0%} faster here: {timed}",
                        loser: f"passed the gate, but not {race.MIN_GAIN:.0%} faster here: {timed}"}
         for step, forward_ms in ((challenger, ms[0]), (rival, ms[1])):
             index = self._attempt_of[step]
@@ -80,10 +98,17 @@ class Walk:
             self.attempts[index] = self.attempts[index].but(status=status, reason=reasons[step],
                                                             forward_ms=forward_ms)
         del self.forwards[loser]
-        self.variants.drop(DType(loser.precision))  # the reference (fp32) stays: it serves the eager fallback
+        if self._variant(loser) != self._variant(winner):
+            self.variants.drop(self._variant(loser))  # the reference (fp32) stays: it serves the eager fallback
+        if challenger.rung != rival.rung:
+            self.rung_race = {"served": f"{winner.rung} ({winner.precision})",
+                              "against": f"{loser.rung} ({loser.precision})",
+                              "forward_ms": {f"{challenger.rung} ({challenger.precision})": ms[0],
+                                             f"{rival.rung} ({rival.precision})": ms[1]},
+                              "speedup": round(max(ms) / max(min(ms), 1e-9), 3), "measured": raced.describe()}
         log = logger.warning if raced.disturbed else logger.info
-        log("raced %s (%s) against %s on %s: %s; %s serves, in %.1fs", challenger.precision,
-            challenger.rung, rival.precision, rival.rung, timed, winner.precision, since(started))
+        log("raced %s against %s: %s; %s (%s) serves, in %.1fs", _named(challenger), _named(rival), timed,
+            winner.rung, winner.precision, since(started))
         return winner
 
     def settled(self, challenger: plan.Step, rival: plan.Step) -> bool:
@@ -102,16 +127,79 @@ class Walk:
                     rival.precision, rival.rung)
         return True
 
-    def _raced_what(self, challenger: plan.Step, rival: plan.Step) -> tuple[object, ...]:
-        """What a race of two compiled steps depends on besides the weights, batches and machine: the steps, how
-        the rung compiles (its YAML options), and how int8 was built (the layers it took, its float layers' dtype)."""
+    def rung_settled(self, step: plan.Step, rival: str) -> bool:
+        """Whether a reliable race that an earlier load on this machine kept found ``rival`` (the later rung) not
+        faster than the accepted ``step``: then ``step`` serves and ``rival`` is not built."""
+        earlier = self.races.earlier(self._raced_what(step, plan.Step(rival, "")))
+        if earlier is None or race.pays(*earlier.ms):
+            return False
+        said = (f"{earlier.ms[0]:.2f} ms on {rival} against {earlier.ms[1]:.2f} on {step.rung} ({step.precision}), "
+                f"{earlier.describe()}")
+        index = self._attempt_of[step]
+        self.attempts[index] = self.attempts[index].but(
+            reason=f"serves: {rival} was not {race.MIN_GAIN:.0%} faster here: {said}", forward_ms=earlier.ms[1])
+        self.attempts.append(Attempt(rival, AttemptStatus.SLOWER, f"not built: not {race.MIN_GAIN:.0%} faster "
+                                                                  f"than {step.rung} here: {said}", 0.0,
+                                     forward_ms=earlier.ms[0]))
+        self.rung_race = {"served": f"{step.rung} ({step.precision})", "against": rival,
+                          "forward_ms": {rival: earlier.ms[0], f"{step.rung} ({step.precision})": earlier.ms[1]},
+                          "speedup": round(max(earlier.ms) / max(min(earlier.ms), 1e-9), 3),
+                          "measured": earlier.describe()}
+        logger.info("%s (%s) serves: %s; %s not built", step.rung, step.precision, said, rival)
+        return True
+
+    def _lost_before(self, step: plan.Step) -> Attempt | None:
+        """Where a reliable race an earlier load on this machine kept found ``step``'s rival rung faster, ``step`` is
+        not built (it would only lose): the attempt that says so; else None."""
+        rival = self.rival_of(step.rung)
+        earlier = None if rival is None else self.races.earlier(self._raced_what(step, plan.Step(rival, "")))
+        if earlier is None or not race.pays(*earlier.ms):
+            return None
+        said = (f"{earlier.ms[0]:.2f} ms on {rival} against {earlier.ms[1]:.2f} on {_named(step)}, "
+                f"{earlier.describe()}")
+        self.rung_race = {"served": rival, "against": _named(step),
+                          "forward_ms": {rival: earlier.ms[0], _named(step): earlier.ms[1]},
+                          "speedup": round(earlier.ms[1] / max(earlier.ms[0], 1e-9), 3),
+                          "measured": earlier.describe()}
+        logger.info("%s not built: %s was faster here: %s", _named(step), rival, said)
+        return Attempt(step.rung, AttemptStatus.SLOWER, f"not built: {rival} was faster here: {said}", 0.0,
+                       step.precision, forward_ms=earlier.ms[1])
+
+    def _module(self, step: plan.Step) -> object:
+        return self.variants[self._variant(step)]
+
+    def _variant(self, step: plan.Step) -> DType:
+        """The model variant ``step`` runs: a rung that converts the model itself takes the fp32 one."""
+        return DType.FLOAT32 if self.rungs[step.rung].takes_float32 else DType(step.precision)
+
+    def _raced_what(self, first: plan.Step, second: plan.Step) -> tuple[object, ...]:
+        """What a race of two steps depends on besides the weights, batches and machine: the steps, how their rungs
+        build forwards (their YAML options, versions), and how int8 was built (the layers it took, its float layers'
+        dtype). A race of two rungs is kept under the first rung's step and the second rung's name (its precision is
+        its own walk's), with the precisions tried."""
+        identities = (self.rungs[first.rung].identity(), self.rungs[second.rung].identity())
+        if first.rung != second.rung:
+            return "rungs", first, second.rung, identities, self.precisions
         int8 = None
-        if DType.INT8.value in (challenger.precision, rival.precision):
+        if DType.INT8.value in (first.precision, second.precision):
             taken = self.int8_layers.taken()
             int8 = (self.int8_layers.by_rule, taken, str(self.screens.int8_rest()), self.int8_layers.weights.value)
-        return challenger, rival, repr(getattr(self.rungs[challenger.rung], "spec", None)), int8
+        return first, second, identities[0], int8
 
     def _timed(self, challenger: plan.Step, rival: plan.Step, raced: race.Race) -> str:
+        if challenger.rung != rival.rung:
+            return (f"{raced.ms[0]:.2f} ms on {_named(challenger)} against {raced.ms[1]:.2f} on {_named(rival)} (sum "
+                    f"of the fastest forward per warmup batch, {len(self.proof.batches)} batches, {race.ROUNDS} "
+                    f"rounds, {raced.describe()})")
         return (f"{raced.ms[0]:.2f} ms in {challenger.precision} against {raced.ms[1]:.2f} in {rival.precision} (sum "
                 f"of the fastest forward per warmup batch, {len(self.proof.batches)} batches, {race.ROUNDS} rounds, "
                 f"{raced.describe()})")
+
+
+def _named(step: plan.Step) -> str:
+    return f"{step.rung} ({step.precision})"
+
+
+def _label(challenger: plan.Step, rival: plan.Step) -> str:
+    """The challenger as a race's reasons name it: its precision on one rung, its rung across two."""
+    return challenger.precision if challenger.rung == rival.rung else challenger.rung

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +26,24 @@ class Rung(ABC):
     # Whether ``apply`` compiles with dynamo, lazily: the ladder checks that its warmup compiled everything (a second
     # pass compiles nothing new, no frame given up) and resets dynamo when it fails.
     compiles = False
+    # Whether the walk hands ``apply`` the fp32 model whatever the precision (the rung converts it itself).
+    takes_float32 = False
+    # Whether, once accepted, it races the next racing rung of the ladder (compile against openvino): the faster
+    # serves (``handlers.ladder.plan``).
+    races = False
 
     def unavailable_reason(self) -> str | None:
         """Why this rung cannot be tried here, or None when it can."""
         return None
+
+    def prepare(self, batches: Sequence[Any]) -> None:
+        """Told the warmup batches before any attempt (a rung that converts the module takes an example from them)."""
+        return None
+
+    def identity(self) -> object:
+        """What the forwards this rung builds depend on besides the model (its options, e.g. a compile's ``spec``):
+        part of a kept race's key."""
+        return repr(getattr(self, "spec", None))
 
     def runs_in(self, dtype: DType) -> bool:
         """Whether this rung takes a model in ``dtype`` at all. int8 is for compile rungs alone: inductor fuses

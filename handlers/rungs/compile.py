@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from handlers.config import IPEX_BACKEND, CompileSpec, DType
+from handlers.config import IPEX_BACKEND, CompileSpec, DType, RungName
 from handlers.rungs import module_guards, prepacked_cache, small_batch_graph, thread_guard, unbacked_batch
 from handlers.rungs.base import Forward, Rung
 from handlers.rungs.ipex import probe_ipex
@@ -35,6 +35,7 @@ class CompileRung(Rung):
         # False: the model's attributes stay as they are between forwards, so a frozen compile need not guard them
         self.keep_module_guards = keep_module_guards
         self._guard_filters: dict[DType, module_guards.GuardFilter] = {}
+        self.races = name == RungName.COMPILE.value  # the requested compile races openvino; its fallback does not
 
     def without_module_guards(self) -> CompileRung:
         """This rung, its compiles leaving out dynamo's guards on the model's attributes

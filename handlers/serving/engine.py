@@ -229,6 +229,7 @@ class Engine:
             "torch": torch.__version__,
             "requested_compile": self.config.served_compile.describe() if self.config.compile.enabled else None,
             "module_guards": loaded.result.module_guards if loaded else None,
+            "rung_race": loaded.result.rung_race if loaded else None,
             "notes": loaded.notes if loaded else [],
             "attention": loaded.attention.describe() if loaded else None,
             "shapes": self.shapes.describe(),

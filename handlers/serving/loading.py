@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from handlers.config import Attention, Choice, DType, HandlerConfig, ModuleGuards
+from handlers.config import Attention, Choice, DType, HandlerConfig, ModuleGuards, Pick
 from handlers.config.shapes import ShapePolicy
 from handlers.cpu import features, fused_attention
 from handlers.cpu.worker_cores import WorkerCores
@@ -79,7 +79,7 @@ class Loader:
         reference = task.build_module(model)
         batches = [self.on_device(batch) if isinstance(batch, Mapping) else batch
                    for batch in task.warmup_batches(shapes.warmup_shapes())]
-        rungs = self._rungs()
+        rungs = self._rungs(task_class)
         attention = self._attention(model, task_class, rungs)
         cache_before = compile_cache.use_counters()
         int8_weights = choice.int8_weights()
@@ -88,7 +88,8 @@ class Loader:
                             # races kept per machine and attention kernel: a changed kernel races again
                             Site(self._decisions(), repr((self._machine(), attention.identity)),
                                  self.cores.thread_counts()),
-                            module_guards_optional=self.settings.module_guards is ModuleGuards.AUTO)
+                            module_guards_optional=self.settings.module_guards is ModuleGuards.AUTO,
+                            race_rungs=self.settings.pick is Pick.FASTEST)
         cache_use = compile_cache.use_since(cache_before)
         logger.info("compile cache %s: %s", self.cache.path, ", ".join(
             f"{cache} {use['hit']} hit / {use['miss']} missed / {use['bypass']} bypassed"
@@ -111,11 +112,14 @@ class Loader:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _rungs(self) -> list[Rung]:
+    def _rungs(self, task_class: type[Task]) -> list[Rung]:
         no_cache = None if self.cache.path else f"no writable compile cache: {self.cache.warning}"
+        one_forward = None if task_class.runs_one_forward else (
+            f"{task_class.facts().name} runs a decode loop over its cache; it stays on the compile rungs")
         return build_rungs(self.config, self.device, compile_unavailable=no_cache,
                            inductor_unavailable=features.cpp_compiler_problem(self.device),
-                           threads_follow=self.cores.share is not None)
+                           threads_follow=self.cores.share is not None, cache_dir=self.cache.path,
+                           openvino_unavailable=one_forward)
 
     def _attention(self, model: torch.nn.Module, task_class: type[Task],
                    rungs: Sequence[Rung]) -> fused_attention.Outcome:
