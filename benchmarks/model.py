@@ -38,7 +38,9 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     onnxruntime-fp32 (dynamo exporter, dynamic batch/seq axes; kept only if cosine vs eager >= 0.9999),
     onnxruntime-int8 (that export through onnxruntime.quantization.quantize_dynamic; kept whatever its cosine,
     which its rows report),
-    ipex-{fp32,bf16} (only where intel_extension_for_pytorch imports)
+    ipex-{fp32,bf16} (only where intel_extension_for_pytorch imports),
+    openvino-{fp32,bf16} (the openvino rung, handlers.rungs.openvino: torch.export, OpenVINO's converter, its f32 or
+    bf16 precision hint, one stream at the latency hint)
 
 Each shape is batch x tokens, every row a full-length text. Per variant and shape: the first call (the
 compile, for compiled variants) is timed alone, then ``--warmup`` untimed and ``--iters`` timed calls under
@@ -78,7 +80,7 @@ Runner = Callable[[Batch], Any]
 @dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str  # eager | compile | onnxruntime | ipex
+    kind: str  # eager | compile | pt2e | onnxruntime | ipex | openvino
     dtype: str  # float32 | bfloat16 | int8
     dynamic: bool | None = None
     freezing: bool = False
@@ -196,6 +198,9 @@ VARIANTS = (
     Variant("onnxruntime-int8", "onnxruntime", "int8"),
     Variant("ipex-fp32", "ipex", "float32"),
     Variant("ipex-bf16", "ipex", "bfloat16"),
+    # The openvino rung (handlers.rungs.openvino): exported, converted, compiled at OpenVINO's f32 or bf16 hint.
+    Variant("openvino-fp32", "openvino", "float32"),
+    Variant("openvino-bf16", "openvino", "bfloat16"),
 )
 REFERENCE = "eager-fp32"
 
@@ -248,6 +253,8 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
         module = with_fused_attention(module, avx512_only=variant.attention == "fused-avx512")
     if variant.kind == "onnxruntime":
         return onnxruntime_runner(module, batches, threads, quantized=variant.dtype == "int8")
+    if variant.kind == "openvino":
+        return openvino_runner(module, batches, variant)
     if variant.kind == "pt2e":
         return pt2e_runner(module, variant, calibration)
     if variant.dtype.startswith("int8"):
@@ -259,15 +266,7 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
         return one_graph_runner(served) if variant.dynamic else (lambda batch: served(**batch))
     dtype = getattr(torch, variant.dtype)
     if variant.kind == "ipex":
-        try:
-            import intel_extension_for_pytorch as ipex
-        except ImportError as exc:
-            raise Skip(f"intel_extension_for_pytorch does not import ({exc}); its own venv: the ipex extra") from exc
-        try:
-            optimized = ipex.optimize(copy.deepcopy(module).to(dtype).eval(), dtype=dtype)
-        except Exception as exc:  # e.g. bf16 weight prepack on a CPU without avx512bw/vl/dq: a row, not a crash
-            raise Skip(f"ipex.optimize failed: {type(exc).__name__}: {exc}") from exc
-        return lambda batch: optimized(**batch)
+        return ipex_runner(module, dtype)
     # A copy whenever it is compiled: freezing folds the weights into the graph, and eager-fp32 stays the reference.
     served = module if variant.kind == "eager" and dtype is torch.float32 else copy.deepcopy(module).to(dtype)
     if variant.kind == "compile":
@@ -416,6 +415,33 @@ def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int, qua
     if cosine < ORT_MIN_COSINE and not quantized:
         raise Skip(f"ORT answers differ from eager fp32: min cosine {cosine:.6f} < {ORT_MIN_COSINE}")
     return run
+
+
+def ipex_runner(module: Any, dtype: Any) -> Runner:
+    try:
+        import intel_extension_for_pytorch as ipex
+    except ImportError as exc:
+        raise Skip(f"intel_extension_for_pytorch does not import ({exc}); its own venv: the ipex extra") from exc
+    try:
+        optimized = ipex.optimize(copy.deepcopy(module).to(dtype).eval(), dtype=dtype)
+    except Exception as exc:  # e.g. bf16 weight prepack on a CPU without avx512bw/vl/dq: a row, not a crash
+        raise Skip(f"ipex.optimize failed: {type(exc).__name__}: {exc}") from exc
+    return lambda batch: optimized(**batch)
+
+
+def openvino_runner(module: Any, batches: dict[str, Batch], variant: Variant) -> Runner:
+    """The openvino rung as the ladder builds it: exported on the largest batch, converted, compiled at the hint."""
+    import torch
+
+    from handlers.config import DType
+    from handlers.rungs.openvino import OpenVinoRung
+
+    rung = OpenVinoRung(torch.device("cpu"))
+    rung.prepare(list(batches.values()))
+    if rung.unavailable_reason():
+        raise Skip(rung.unavailable_reason())
+    forward = rung.apply(module, DType(variant.dtype))
+    return lambda batch: forward(**batch)
 
 
 def padded(batch: Batch) -> Batch:

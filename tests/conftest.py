@@ -56,9 +56,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     profile and the IPEX wheel unpacked beside it; qa_reference needs transformers 4.57.1 beside the venv;
     default_profile runs in the default profile only; ipex_stage runs in the ipex stage where scripts/test.sh runs one
     beside the default stage (PT2_STAGES), else in the default profile; torchao needs torchao, which the default
-    profile installs and the ipex profile (torch 2.8) has not; openvino likewise. scripts/test.sh provides all but the first two, says
-    which profile each stage is (PT2_PROFILE) and runs both, so only gpu, and fused_kernel on an AVX2-only CPU, stay
-    unrun."""
+    profile installs and the ipex profile (torch 2.8) has not; openvino likewise. scripts/test.sh provides all but the
+    first two, says which profile each stage is (PT2_PROFILE) and runs both, so only gpu, and fused_kernel on an
+    AVX2-only CPU, stay unrun."""
     for marker, reason in unavailable_reasons(declared_profile()).items():
         chosen = [item for item in items if item.get_closest_marker(marker)]
         if reason is None or not chosen:

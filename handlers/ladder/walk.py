@@ -33,6 +33,7 @@ class Walk:
         self.race_rungs = race_rungs
         self.precisions = tuple(p.value for p in precisions)
         self.rung_race: dict[str, object] | None = None  # the race of two rungs, for describe
+        self._won_before: dict[str, tuple[float, str]] = {}  # a rung a kept race found faster: its time, and why
         self.proof = proof
         self.variants = variants
         self.screens = screens
@@ -61,6 +62,9 @@ class Walk:
             self.attempts.append(lost)
             return plan.Outcome.SKIPPED
         attempt, forward = self.proof.attempt(rung, self._module(step), dtype)
+        won = self._won_before.pop(step.rung, None)
+        if won is not None and attempt.status is AttemptStatus.ACCEPTED:
+            attempt = attempt.but(reason=f"faster: {won[1]}", forward_ms=won[0])
         self.attempts.append(attempt)
         if forward is not None:
             self.forwards[step] = forward
@@ -161,6 +165,7 @@ class Walk:
                           "forward_ms": {rival: earlier.ms[0], _named(step): earlier.ms[1]},
                           "speedup": round(earlier.ms[1] / max(earlier.ms[0], 1e-9), 3),
                           "measured": earlier.describe()}
+        self._won_before[rival] = (earlier.ms[0], said)
         logger.info("%s not built: %s was faster here: %s", _named(step), rival, said)
         return Attempt(step.rung, AttemptStatus.SLOWER, f"not built: {rival} was faster here: {said}", 0.0,
                        step.precision, forward_ms=earlier.ms[1])

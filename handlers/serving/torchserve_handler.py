@@ -99,6 +99,8 @@ class Pt2Handler(BaseHandler):
             self._gauge("Pt2RungSeconds", attempt.seconds, "s", **tried, WorkerPid=pid)
             if attempt.quality is not None:
                 self._gauge("Pt2RungGateValue", attempt.quality.value, "ratio", **tried, WorkerPid=pid)
+            if attempt.forward_ms is not None:  # raced: which rung or precision was faster, and by how much
+                self._gauge("Pt2RungForwardMilliseconds", attempt.forward_ms, "ms", **tried, WorkerPid=pid)
         self._gauge("Pt2LoadSeconds", self.engine.load_seconds or 0.0, "s", WorkerPid=pid)
         self._gauge("Pt2ActiveRung", 1, "count", Rung=self.engine.active_rung or "none",
                     Precision=self.engine.dtype.value.value, WorkerPid=pid)
