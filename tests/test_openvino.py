@@ -98,12 +98,15 @@ def test_bf16_runs_by_openvinos_hint_on_the_fp32_weights(tmp_path):
 
 def test_a_model_openvino_cannot_convert_lands_on_the_next_rung_with_the_reason(tmp_path, caplog):
     batches = [{"x": torch.randn(2, 8)}, {"x": torch.randn(3, 8)}]
+    root_level, root_handlers = logging.getLogger().level, list(logging.getLogger().handlers)
     with caplog.at_level(logging.WARNING, logger="handlers.ladder.proof"):
         result = ladder(Unconvertible().eval(), [OpenVinoRung(CPU, str(tmp_path)), EagerRung()], batches)
     failed = next(a for a in result.attempts if a.rung == "openvino")
     assert failed.status is AttemptStatus.FAILED and "OpConversionFailure" in failed.reason
     assert result.active == "eager"
     assert "rung openvino (float32) failed" in caplog.text
+    # OpenVINO's converter, failing, sets the root logger to ERROR: the worker's own logs must survive it
+    assert logging.getLogger().level == root_level and logging.getLogger().handlers == root_handlers
     assert not (tmp_path / DIRECTORY).exists() or not any((tmp_path / DIRECTORY).glob(f"*/{MODEL}"))
 
 
@@ -225,3 +228,51 @@ def test_pt2_backend_openvino_is_served_by_the_openvino_rung(caplog):
     # the stock handler's failure mode, a 503 at the first request, cannot happen: the rung is proven at load
     result = ladder(Mixer().eval(), build_rungs(pinned, CPU), mixer_batches((2, 5), (3, 7)))
     assert result.active == "openvino"
+
+
+class Timed(EagerRung):
+    """A racing rung whose forward sleeps by the batch's size: ``ms(size)``; counts the calls it answers."""
+
+    races = True
+
+    def __init__(self, name, ms):
+        self.name, self.ms, self.calls, self.built = name, ms, [], 0
+
+    def apply(self, module, dtype):
+        self.built += 1
+
+        def forward(**batch):
+            import time
+
+            size = next(iter(batch.values())).numel()
+            self.calls.append(size)
+            time.sleep(self.ms(size) / 1000)
+            return module(**batch)
+
+        return forward
+
+
+def test_small_batches_go_to_the_rung_that_is_faster_on_them(tmp_path):
+    """openvino loses the race on the sum (large batches), but is faster on every small one: those go to it."""
+    model, batches = Mixer().eval(), mixer_batches((1, 4), (8, 32))
+    site = Site(DecisionStore(tmp_path / "memory"), machine="this one")
+
+    def load():
+        openvino = Timed("openvino", lambda size: 1 if size <= 4 else 30)
+        compile_rung = Timed("compile", lambda size: 5 if size <= 4 else 10)
+        return ladder(model, [openvino, compile_rung, EagerRung()], batches, site=site), openvino, compile_rung
+
+    result, openvino, compile_rung = load()
+    assert result.active == "compile"
+    assert result.rung_race["small_batches"] == {"served_by": "openvino (float32)", "up_to_elements": 4,
+                                                 "input": "'ids'"}
+    statuses = {a.rung: (a.status, a.reason) for a in result.attempts if a.rung in ("openvino", "compile")}
+    assert statuses["openvino"][0] is AttemptStatus.ACCEPTED and "at most 4 elements of 'ids'" in statuses["openvino"][1]
+    assert statuses["compile"][0] is AttemptStatus.ACCEPTED
+    openvino.calls.clear(), compile_rung.calls.clear()
+    for batch in mixer_batches((1, 3), (2, 2), (1, 5), (4, 16)):
+        result.forward(**batch)
+    assert (openvino.calls, compile_rung.calls) == ([3, 4], [5, 64])
+    # a later load follows the kept race, and builds both: each serves its batches
+    again, openvino, compile_rung = load()
+    assert again.rung_race["small_batches"]["up_to_elements"] == 4 and (openvino.built, compile_rung.built) == (1, 1)

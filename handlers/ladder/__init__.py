@@ -74,8 +74,8 @@ def run_ladder(reference: torch.nn.Module, rungs: Sequence[Rung], warmup: Warmup
         return LadderResult(plan.EAGER, reference, DType.FLOAT32, walk.attempts, calibration_said, weights_key,
                             module_guards=guards_kept or "not compiled: eager serves", rung_race=walk.rung_race)
     rung, dtype, forward = walk.rungs[step.rung], DType(step.precision), walk.forwards[step]
-    threads = None if rung.follows_threads() else (torch.get_num_threads(),)
-    if rung.compiles:
+    threads = None if rung.follows_threads() and not walk.routed else (torch.get_num_threads(),)
+    if rung.compiles and not walk.routed:  # routed: OpenVINO's part runs at the count it was compiled for
         threads = walk.proof.at_thread_counts(rung, forward, dtype, site.thread_counts)
     return LadderResult(step.rung, forward, dtype, walk.attempts, calibration_said, weights_key, threads,
                         _module_guards_said(rung, dtype, guards_kept, len(warmup.batches)), walk.rung_race)

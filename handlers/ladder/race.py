@@ -48,6 +48,8 @@ class Race:
     wait_share: float | None = None
     other_share: float | None = None
     remembered: bool = False  # an earlier load's race, read back (``handlers.ladder.decisions``)
+    # per forward, per batch: its fastest call's ms (what ``ms`` sums); None in a record kept before they were kept
+    per_batch: list[list[float]] | None = None
 
     @property
     def disturbed(self) -> bool:
@@ -65,13 +67,17 @@ class Race:
 
     def record(self) -> dict[str, Any]:
         """What ``handlers.ladder.decisions`` keeps of this race for the next load."""
-        return {"ms": self.ms, "tries": self.tries, "wait_share": self.wait_share, "other_share": self.other_share}
+        return {"ms": self.ms, "tries": self.tries, "wait_share": self.wait_share, "other_share": self.other_share,
+                "per_batch": self.per_batch}
 
     @classmethod
     def from_record(cls, saved: Mapping[str, Any]) -> Race:
         """A race an earlier load kept (``record``); raises KeyError, TypeError or ValueError if it is not one."""
         shares = [None if saved[name] is None else float(saved[name]) for name in ("wait_share", "other_share")]
-        return cls([float(ms) for ms in saved["ms"]], int(saved["tries"]), *shares, remembered=True)
+        per_batch = saved.get("per_batch")
+        per_batch = None if per_batch is None else [[float(ms) for ms in forward] for forward in per_batch]
+        return cls([float(ms) for ms in saved["ms"]], int(saved["tries"]), *shares, remembered=True,
+                   per_batch=per_batch)
 
 
 def _busy(wait_share: float | None, other_share: float | None) -> bool:
@@ -101,11 +107,11 @@ def run_race(forwards: Sequence[Any], batches: Sequence[Any], run: Callable[[Any
         shares = tuple(None if a is None or b is None else (a - b) / seconds / scale
                        for a, b, scale in zip(after, before, (1, cores), strict=True))
         if not _busy(*shares):
-            return Race(_fastest(times), tries, *shares)
+            return Race(_fastest(times), tries, *shares, per_batch=_fastest_per_batch(times))
         if tries == 1 or shares[1] < quietest[1]:  # busy, so both shares are known
             quietest = shares
         if time.monotonic() + pause_s > deadline:
-            return Race(_fastest(times), tries, *quietest)
+            return Race(_fastest(times), tries, *quietest, per_batch=_fastest_per_batch(times))
         sleep(pause_s)
 
 
@@ -177,6 +183,10 @@ def _timed_rounds(forwards: Sequence[Any], batches: Sequence[Any], run: Callable
 
 def _fastest(times: list[list[list[float]]]) -> list[float]:
     return [round(sum(min(calls) for calls in per_batch), 3) for per_batch in times]
+
+
+def _fastest_per_batch(times: list[list[list[float]]]) -> list[list[float]]:
+    return [[round(min(calls), 3) for calls in per_batch] for per_batch in times]
 
 
 def pays(challenger_ms: float, rival_ms: float, min_gain: float = MIN_GAIN) -> bool:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from handlers.config import DType
-from handlers.ladder import plan, race
-from handlers.ladder.attempts import Attempt, AttemptStatus, Forward, since
+from handlers.ladder import plan, race, routes
+from handlers.ladder.attempts import Attempt, AttemptStatus, Forward, shape_of, since
 from handlers.ladder.int8_layers import Int8Layers
 from handlers.ladder.proof import Proof
 from handlers.ladder.screens import Screens
@@ -34,6 +34,7 @@ class Walk:
         self.precisions = tuple(p.value for p in precisions)
         self.rung_race: dict[str, object] | None = None  # the race of two rungs, for describe
         self._won_before: dict[str, tuple[float, str]] = {}  # a rung a kept race found faster: its time, and why
+        self.routed = False  # the served forward routes small batches to the rung that lost the race
         self.proof = proof
         self.variants = variants
         self.screens = screens
@@ -82,7 +83,8 @@ class Walk:
     def faster(self, first: plan.Step, second: plan.Step) -> plan.Step:
         """Race two accepted steps on the warmup batches; record both times; the challenger serves only if it pays
         (``race.MIN_GAIN``). Of one rung the challenger is ``first`` (int8, against the next precision); of two rungs
-        it is ``second``, the later rung of the ladder. The loser's forward is dropped."""
+        it is ``second``, the later rung of the ladder, and the loser still serves the smallest batches where it is
+        faster on them (``routes``). The loser's forward is otherwise dropped."""
         started = time.perf_counter()
         challenger, rival = (first, second) if first.rung == second.rung else (second, first)
         raced = self.races([self.forwards[challenger], self.forwards[rival]], self._raced_what(first, second))
@@ -96,24 +98,57 @@ class Walk:
         else:
             reasons = {winner: f"serves: {what} passed the gate, but was not {race.MIN_GAIN:.0%} faster here: {timed}",
                        loser: f"passed the gate, but not {race.MIN_GAIN:.0%} faster here: {timed}"}
+        up_to = self._route(raced, loser == challenger) if challenger.rung != rival.rung else None
+        if up_to is not None:
+            reasons[loser] = (f"serves batches of at most {up_to} elements of {self._first_input()}, where it was "
+                              f"at least {race.MIN_GAIN:.0%} faster on every warmup batch: {timed}")
         for step, forward_ms in ((challenger, ms[0]), (rival, ms[1])):
             index = self._attempt_of[step]
-            status = AttemptStatus.ACCEPTED if step == winner else AttemptStatus.SLOWER
+            status = AttemptStatus.ACCEPTED if step == winner or up_to is not None else AttemptStatus.SLOWER
             self.attempts[index] = self.attempts[index].but(status=status, reason=reasons[step],
                                                             forward_ms=forward_ms)
-        del self.forwards[loser]
-        if self._variant(loser) != self._variant(winner):
-            self.variants.drop(self._variant(loser))  # the reference (fp32) stays: it serves the eager fallback
+        if up_to is not None:
+            self.forwards[winner] = routes.Routed(self.forwards.pop(loser), self.forwards[winner], up_to)
+            self.routed = True
+        else:
+            del self.forwards[loser]
+            if self._variant(loser) != self._variant(winner):
+                self.variants.drop(self._variant(loser))  # the reference (fp32) stays: it serves the eager fallback
         if challenger.rung != rival.rung:
-            self.rung_race = {"served": f"{winner.rung} ({winner.precision})",
-                              "against": f"{loser.rung} ({loser.precision})",
-                              "forward_ms": {f"{challenger.rung} ({challenger.precision})": ms[0],
-                                             f"{rival.rung} ({rival.precision})": ms[1]},
-                              "speedup": round(max(ms) / max(min(ms), 1e-9), 3), "measured": raced.describe()}
+            self._said_race(winner, loser, challenger, rival, raced, up_to)
         log = logger.warning if raced.disturbed else logger.info
-        log("raced %s against %s: %s; %s (%s) serves, in %.1fs", _named(challenger), _named(rival), timed,
-            winner.rung, winner.precision, since(started))
+        log("raced %s against %s: %s; %s (%s) serves%s, in %.1fs", _named(challenger), _named(rival), timed,
+            winner.rung, winner.precision,
+            f", {loser.rung} batches of at most {up_to} elements" if up_to is not None else "", since(started))
         return winner
+
+    def _route(self, raced: race.Race, challenger_lost: bool) -> int | None:
+        """Up to which batch size the loser of a race of two rungs still serves (``routes.split``); None: nowhere."""
+        sizes = routes.sizes_of(self.proof.batches)
+        if raced.per_batch is None or sizes is None:
+            return None
+        loser, winner = raced.per_batch if challenger_lost else reversed(raced.per_batch)
+        up_to = routes.split(loser, winner, sizes, race.MIN_GAIN)
+        return None if up_to is None or up_to >= max(sizes) else up_to
+
+    def _first_input(self) -> str:
+        first = self.proof.batches[0]
+        return f"'{next(iter(first))}'" if isinstance(first, Mapping) and first else "the first input"
+
+    def _said_race(self, winner: plan.Step, loser: plan.Step, challenger: plan.Step, rival: plan.Step,
+                   raced: race.Race, up_to: int | None) -> None:
+        """The race of two rungs as describe shows it."""
+        ms = raced.ms
+        self.rung_race = {"served": _named(winner), "against": _named(loser),
+                          "forward_ms": {_named(challenger): ms[0], _named(rival): ms[1]},
+                          "speedup": round(max(ms) / max(min(ms), 1e-9), 3), "measured": raced.describe()}
+        if up_to is not None:
+            self.rung_race["small_batches"] = {"served_by": _named(loser), "up_to_elements": up_to,
+                                               "input": self._first_input()}
+        if raced.per_batch is not None:
+            self.rung_race["per_batch_ms"] = {
+                _named(challenger): raced.per_batch[0], _named(rival): raced.per_batch[1],
+                "shapes": [shape_of(batch) for batch in self.proof.batches]}
 
     def settled(self, challenger: plan.Step, rival: plan.Step) -> bool:
         """Whether a reliable race that an earlier load on this machine kept found the (accepted) challenger faster
@@ -135,8 +170,8 @@ class Walk:
         """Whether a reliable race that an earlier load on this machine kept found ``rival`` (the later rung) not
         faster than the accepted ``step``: then ``step`` serves and ``rival`` is not built."""
         earlier = self.races.earlier(self._raced_what(step, plan.Step(rival, "")))
-        if earlier is None or race.pays(*earlier.ms):
-            return False
+        if earlier is None or race.pays(*earlier.ms) or self._route(earlier, challenger_lost=True) is not None:
+            return False  # no kept race, the rival won it, or the rival serves small batches: build it
         said = (f"{earlier.ms[0]:.2f} ms on {rival} against {earlier.ms[1]:.2f} on {step.rung} ({step.precision}), "
                 f"{earlier.describe()}")
         index = self._attempt_of[step]
@@ -157,8 +192,8 @@ class Walk:
         not built (it would only lose): the attempt that says so; else None."""
         rival = self.rival_of(step.rung)
         earlier = None if rival is None else self.races.earlier(self._raced_what(step, plan.Step(rival, "")))
-        if earlier is None or not race.pays(*earlier.ms):
-            return None
+        if earlier is None or not race.pays(*earlier.ms) or self._route(earlier, challenger_lost=False) is not None:
+            return None  # no kept race, this step won it, or it serves small batches: build it
         said = (f"{earlier.ms[0]:.2f} ms on {rival} against {earlier.ms[1]:.2f} on {_named(step)}, "
                 f"{earlier.describe()}")
         self.rung_race = {"served": rival, "against": _named(step),

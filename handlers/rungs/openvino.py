@@ -13,13 +13,14 @@ openvino is imported only when the rung is tried, and its telemetry is turned of
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -109,7 +110,8 @@ class OpenVinoRung(Rung):
         model = store.read(openvino)
         said = "read from the cache"
         if model is None:
-            model = openvino.convert_model(export(module, self._example))
+            with _root_logging_kept():
+                model = openvino.convert_model(export(module, self._example))
             store.write(openvino, model)
             said = "exported and converted"
         converted = time.perf_counter()
@@ -127,6 +129,19 @@ class OpenVinoRung(Rung):
         if self.cache_dir is not None:
             config["CACHE_DIR"] = str(self.cache_dir / openvino_ir.BLOBS)
         return config
+
+
+@contextlib.contextmanager
+def _root_logging_kept() -> Iterator[None]:
+    """OpenVINO's converter, when it fails, sets the root logger to ERROR and adds a handler of its own: every later
+    warning of the worker would be lost. The root logger is put back as it was."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
 
 
 def example_batch(batches: Sequence[Any]) -> Mapping[str, torch.Tensor] | None:
