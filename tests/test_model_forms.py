@@ -39,7 +39,7 @@ def archive_root(tmp_path_factory) -> Path:
     from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("archive")
-    for source in (EXAMPLE / "model.py", EXAMPLE / "ranking_task.py", MODELS / "untraceable.py"):
+    for source in (EXAMPLE / "model.py", EXAMPLE / "ranking_task.py", MODELS / "untraceable.py", MODELS / "bessel.py"):
         shutil.copy(source, root / source.name)
     model = ranker()
     torch.save(model.state_dict(), root / "model.pth")
@@ -51,6 +51,9 @@ def archive_root(tmp_path_factory) -> Path:
     from tests.models.untraceable import Untraceable
 
     torch.save(Untraceable().state_dict(), root / "untraceable.pth")
+    from tests.models.bessel import Bessel
+
+    torch.save(Bessel().state_dict(), root / "bessel.pth")
     return root
 
 
@@ -65,11 +68,12 @@ def engine(root: Path, settings: dict, files: ModelFiles, **pt2) -> Engine:
 ROWS = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("rung", ["compile", pytest.param("openvino", marks=pytest.mark.openvino)])
 @pytest.mark.parametrize("files", [ModelFiles("model.py", "model.pth"), ModelFiles("model.py", "model.safetensors"),
                                    ModelFiles(None, "model.pt2")], ids=["pth", "safetensors", "exported"])
-def test_each_model_form_serves_the_tensor_task_compiled_equal_to_eager_fp32(archive_root, files):
-    served = engine(archive_root, TENSOR, files)
-    assert served.active_rung == "compile", served.describe()["optimization"]["attempts"]
+def test_each_model_form_serves_the_tensor_task_optimized_equal_to_eager_fp32(archive_root, files, rung):
+    served = engine(archive_root, {**TENSOR, "ladder": [rung, "eager"]}, files)
+    assert served.active_rung == rung, served.describe()["optimization"]["attempts"]
     answers = served.predict([{"inputs": {"x": ROWS[:2].tolist()}}, {"inputs": ROWS[2:5].tolist()},
                               ROWS[5].tolist(), {"inputs": {"x": [[1.0, 2.0]]}}])
     with torch.no_grad():
@@ -97,7 +101,7 @@ def test_the_tensor_task_reads_open_inference_tensors(archive_root):
 def test_a_task_of_ones_own_from_a_file_in_the_archive(archive_root):
     served = engine(archive_root, {"task": "ranking_task:RankingTask", "dtype": "float32",
                                    "shapes": {"batch_sizes": [1, 4]}}, ModelFiles("model.py", "model.pth"))
-    assert served.active_rung == "compile"
+    assert served.active_rung in ("openvino", "compile")  # the default ladder: they race, the faster serves
     (ranked, refused) = served.predict([{"candidates": ROWS[:3].tolist()}, {"candidates": [[1.0]]}])
     with torch.no_grad():
         scores = ranker()(ROWS[:3])
@@ -113,6 +117,24 @@ def test_a_model_dynamo_cannot_compile_lands_on_eager_and_says_so(archive_root):
     assert attempts[0]["rung"] == "compile" and attempts[0]["status"] == "failed" and attempts[0]["reason"], attempts
     (answer,) = served.predict([ROWS[:2].tolist()])
     assert len(answer) == 2 and len(answer[0]) == 4
+
+
+@pytest.mark.openvino
+def test_a_model_openvino_cannot_convert_is_served_by_the_next_rung(archive_root):
+    """No request fails because of OpenVINO: its conversion fails at load, with the converter's reason, and the
+    compile rung serves."""
+    served = engine(archive_root, TENSOR, ModelFiles("bessel.py", "bessel.pth"))
+    attempts = served.describe()["optimization"]["attempts"]
+    assert served.active_rung == "compile", attempts
+    failed = next(attempt for attempt in attempts if attempt["rung"] == "openvino")
+    assert failed["status"] == "failed" and "OpConversionFailure" in failed["reason"], failed
+    (answer,) = served.predict([ROWS[:3].tolist()])
+    from tests.models.bessel import Bessel
+
+    model = Bessel()
+    model.load_state_dict(torch.load(archive_root / "bessel.pth"))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.tensor(answer), model(ROWS[:3]), rtol=1e-4, atol=1e-5)
 
 
 class Whole(torch.nn.Module):

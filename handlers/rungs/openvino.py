@@ -160,9 +160,10 @@ def export(module: torch.nn.Module, example: Mapping[str, torch.Tensor]) -> torc
     example's order (a forward may take them as ``**inputs``)."""
     auto = torch.export.Dim.AUTO
     shapes = tuple({axis: auto for axis in range(tensor.dim())} for tensor in example.values())
+    positional = _Positional(module, list(example))
+    positional.training = False  # the module is the ladder's reference, in eval mode (an exported one has no eval())
     with torch.no_grad(), fused_attention.left_out():  # OpenVINO does not know this package's attention kernel
-        return torch.export.export(_Positional(module.eval(), list(example)), tuple(example.values()),
-                                   dynamic_shapes=(shapes,), strict=False)
+        return torch.export.export(positional, tuple(example.values()), dynamic_shapes=(shapes,), strict=False)
 
 
 class _Positional(torch.nn.Module):
