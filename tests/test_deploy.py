@@ -126,7 +126,7 @@ def test_the_dockerfile_builds_what_the_manifests_run(cluster):
         for path in source.split():
             assert path == "model_store/" or (REPO / path).exists(), f"COPY {path}: not in the repository"
     assert 'pip install -c constraints/default.txt "torch==2.13.0"' in dockerfile  # pinned, before the rest
-    assert dockerfile.index("torch==2.13.0") < dockerfile.index("pip install -c constraints/default.txt .")
+    assert dockerfile.index("torch==2.13.0") < dockerfile.index('pip install -c constraints/default.txt ".[openvino]"')
     assert dockerfile.count("-c constraints/default.txt") == 2  # every install pinned as CI's venv is
     container = next(c for c in cluster["Deployment"]["spec"]["template"]["spec"]["containers"]
                      if c["name"] == "torchserve")

@@ -684,32 +684,42 @@ def test_text_classification_compiled_equals_the_pipeline(server, task_model_dir
 
 def registered(server, model: str, metric: str = "score_agreement") -> dict:
     """``model``.mar registered with one worker (once per server: later tests reuse it); its optimization
-    metadata, with the compiled rung active and its gate's ``metric`` passed."""
+    metadata, with one of the racing rungs active (openvino or compile: the faster here) and its gate's ``metric``
+    passed."""
     if server.management("GET", f"/models/{model}")[0] != 200:
         status, body = server.management("POST", f"/models?url={model}.mar&initial_workers=1&synchronous=true",
                                          timeout=900)
         assert status == 200, body
     optimization = describe(server, model)["customizedMetadata"]["optimization"]
-    assert optimization["active"] == "compile", optimization["attempts"]
+    assert optimization["active"] in RACING, optimization["attempts"]
     quality = accepted_attempt(optimization)["quality"]
     assert quality["metric"] == metric and quality["value"] >= quality["threshold"]
     return optimization
 
 
+RACING = ("openvino", "compile")  # the shipped ladders' racing rungs: the faster one serves
+
+
 def accepted_attempt(optimization: dict) -> dict:
-    accepted = [a for a in optimization["attempts"] if a["status"] == "accepted"]
+    """The served rung's accepted attempt (the other racing rung's is accepted too where it serves small batches)."""
+    accepted = [attempt for attempt in optimization["attempts"]
+                if attempt["status"] == "accepted" and attempt["rung"] == optimization["active"]]
     assert len(accepted) == 1, optimization["attempts"]
     return accepted[0]
 
 
 def assert_compiled_once_in_fp32_where_bf16_loses_the_answers(optimization: dict) -> None:
     """NER and QA with a random head: bf16 moves their probabilities past the gate's 1e-2. On a CPU where auto
-    tries bf16 first, its eager screen fails and compile runs once, in fp32; on others fp32 is all there is."""
+    tries bf16 first, its eager screen fails and each racing rung runs once, in fp32; on others fp32 is all there
+    is. The faster serves; the other lost the race (or was not built: an earlier load's race said so), or serves the
+    small batches it is faster on."""
     attempts = [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
     if "bfloat16" in optimization["precisions"]["tried_in_order"]:
-        assert attempts == [("eager", "bfloat16", "failed"), ("compile", "float32", "accepted")], attempts
-    else:
-        assert attempts == [("compile", "float32", "accepted")], attempts
+        assert attempts[0] == ("eager", "bfloat16", "failed"), attempts
+        attempts = attempts[1:]
+    assert sorted(rung for rung, _, _ in attempts) == sorted(RACING), attempts
+    assert {dtype for _, dtype, _ in attempts} == {"float32"}, attempts
+    assert {rung: status for rung, _, status in attempts}[optimization["active"]] == "accepted", attempts
 
 
 def assert_nothing_compiled_after_ready(server, model: str) -> None:

@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import sys
 import time
 from http import HTTPStatus
 from pathlib import Path
@@ -37,23 +38,34 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 JSON_LINES = "application/jsonl"  # a streamed answer: one JSON object per line, the last one the answer itself
 TS_IPEX_SWITCH = "TS_IPEX_ENABLE"
+OPENVINO_DYNAMO_MODULES = ("openvino", "openvino.torch")  # base_handler imports these for its dynamo backend
 # TorchServe 0.12 passes the path after /predictions/<model>/<version>/ in this header ("" where there is none)
 URL_PATH = "url_path"
 
 
 def _base_handler_class() -> type:
-    """TorchServe's ``BaseHandler``, imported so that ``TS_IPEX_ENABLE=true`` cannot take the worker down.
+    """TorchServe's ``BaseHandler``, imported so that ``TS_IPEX_ENABLE=true`` cannot take the worker down, and
+    without OpenVINO's dynamo backend.
 
     With the switch on, base_handler imports IPEX at import time and catches only ImportError; a mismatched
     IPEX (2.8 on torch 2.13 raises AttributeError) kills every worker before any handler code runs. The
     switch only serves the stock ``initialize``, which Pt2Handler replaces: the ladder's ipex rung probes
     IPEX itself and records why it cannot run. So base_handler is imported with the switch hidden, and the
     environment is restored at once.
+
+    base_handler also imports ``openvino.torch`` where openvino is installed, which imports dynamo at once: before
+    the compile cache is checked (``handlers.rungs.compile_cache``), where an unusable cache directory kills the
+    worker. pt2-handlers serves OpenVINO with its own rung (``pt2.compile.backend: openvino`` included), so that
+    import is made to fail as if openvino were absent (base_handler logs "OpenVINO is not enabled").
     """
     switch = os.environ.pop(TS_IPEX_SWITCH, None)
+    hidden = [name for name in OPENVINO_DYNAMO_MODULES if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(hidden))  # None: an import of it raises ImportError
     try:
         return importlib.import_module("ts.torch_handler.base_handler").BaseHandler
     finally:
+        for name in hidden:
+            sys.modules.pop(name, None)
         if switch is not None:
             os.environ[TS_IPEX_SWITCH] = switch
             logger.info("%s=%s: IPEX is tried by the pt2-handlers ladder (the ipex rung), not by TorchServe's "
