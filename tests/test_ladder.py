@@ -378,7 +378,7 @@ def test_a_race_counts_each_forwards_least_disturbed_call():
         time.sleep(0.008)
 
     fast_ms, steady_ms = race.forward_ms([fast, steady], [None, None], lambda forward, batch: forward(batch))
-    assert calls["fast"] == 2 * race.ROUNDS
+    assert calls["fast"] == 2 * race.ROUNDS * race.IN_A_ROW
     assert fast_ms < 2 * 8 <= steady_ms  # a median would have read 2 x 30 ms
     assert race.pays(fast_ms, steady_ms) and not race.pays(steady_ms, fast_ms)
 
@@ -389,7 +389,8 @@ def test_a_race_on_a_busy_machine_is_run_again_and_counts_the_fastest_call_of_ev
     waits = iter([0.0, 5.0, 5.0, 5.0])  # (before, after) per try: the first try waited ~all its time, the second not
     others = iter([0.0, 9.0, 9.0, 9.0])  # ... while other processes used the cores, then not
     slept = []
-    durations = {"a": iter([0.020] * race.ROUNDS + [0.002] * race.ROUNDS), "b": iter([0.004] * (2 * race.ROUNDS))}
+    calls = race.ROUNDS * race.IN_A_ROW  # per try
+    durations = {"a": iter([0.020] * calls + [0.002] * calls), "b": iter([0.004] * (2 * calls))}
 
     def timed(name):
         return lambda _: time.sleep(next(durations[name]))

@@ -231,7 +231,7 @@ def test_pt2_backend_openvino_is_served_by_the_openvino_rung(caplog):
 
 
 class Timed(EagerRung):
-    """A racing rung whose forward sleeps by the batch's size: ``ms(size)``; counts the calls it answers."""
+    """A racing rung whose forward sleeps by the batch's shape: ``ms(shape)``; records the shapes it answers."""
 
     races = True
 
@@ -244,36 +244,40 @@ class Timed(EagerRung):
         def forward(**batch):
             import time
 
-            size = next(iter(batch.values())).numel()
-            self.calls.append(size)
-            time.sleep(self.ms(size) / 1000)
+            shape = tuple(next(iter(batch.values())).shape)
+            self.calls.append(shape)
+            time.sleep(self.ms(shape) / 1000)
             return module(**batch)
 
         return forward
 
 
-def test_small_batches_go_to_the_rung_that_is_faster_on_them(tmp_path):
-    """openvino loses the race on the sum (large batches), but is faster on every small one: those go to it."""
-    model, batches = Mixer().eval(), mixer_batches((1, 4), (8, 32))
+def test_each_shape_goes_to_the_rung_that_is_faster_at_it(tmp_path):
+    """openvino loses the race on the sum (the large batches), but is faster at two of the warmup shapes: the
+    batches nearest those go to it, the others (and those as near one of each) to compile."""
+    model, batches = Mixer().eval(), mixer_batches((1, 4), (8, 4), (8, 32), (1, 32))
     site = Site(DecisionStore(tmp_path / "memory"), machine="this one")
+    openvino_ms = {(1, 4): 1, (8, 4): 2, (8, 32): 30, (1, 32): 5}
+    compile_ms = {(1, 4): 5, (8, 4): 6, (8, 32): 10, (1, 32): 5}
 
     def load():
-        openvino = Timed("openvino", lambda size: 1 if size <= 4 else 30)
-        compile_rung = Timed("compile", lambda size: 5 if size <= 4 else 10)
+        openvino = Timed("openvino", lambda shape: openvino_ms.get(shape, 0))
+        compile_rung = Timed("compile", lambda shape: compile_ms.get(shape, 0))
         return ladder(model, [openvino, compile_rung, EagerRung()], batches, site=site), openvino, compile_rung
 
     result, openvino, compile_rung = load()
     assert result.active == "compile"
-    assert result.rung_race["small_batches"] == {"served_by": "openvino (float32)", "up_to_elements": 4,
-                                                 "input": "'ids'"}
+    assert result.rung_race["routed"] == {"served_by": "openvino (float32)", "input": "'ids'",
+                                          "nearest_warmup_shapes": ["1x4", "8x4"]}
     statuses = {a.rung: (a.status, a.reason) for a in result.attempts if a.rung in ("openvino", "compile")}
-    assert statuses["openvino"][0] is AttemptStatus.ACCEPTED
-    assert "at most 4 elements of 'ids'" in statuses["openvino"][1]
+    assert statuses["openvino"][0] is AttemptStatus.ACCEPTED and "1x4, 8x4 of 'ids'" in statuses["openvino"][1]
     assert statuses["compile"][0] is AttemptStatus.ACCEPTED
     openvino.calls.clear(), compile_rung.calls.clear()
-    for batch in mixer_batches((1, 3), (2, 2), (1, 5), (4, 16)):
-        result.forward(**batch)
-    assert (openvino.calls, compile_rung.calls) == ([3, 4], [5, 64])
-    # a later load follows the kept race, and builds both: each serves its batches
+    for shape in ((1, 3), (4, 5), (16, 4), (8, 64), (2, 32), (1, 16)):
+        result.forward(**mixer_batches(shape)[0])
+    # (1, 16): as near 1x4 as 1x32 (log scale), so compile, the winner, serves it
+    assert (openvino.calls, compile_rung.calls) == ([(1, 3), (4, 5), (16, 4)], [(8, 64), (2, 32), (1, 16)])
+    # a later load follows the kept race, and builds both: each serves its shapes
     again, openvino, compile_rung = load()
-    assert again.rung_race["small_batches"]["up_to_elements"] == 4 and (openvino.built, compile_rung.built) == (1, 1)
+    assert again.rung_race["routed"]["nearest_warmup_shapes"] == ["1x4", "8x4"]
+    assert (openvino.built, compile_rung.built) == (1, 1)

@@ -1,56 +1,86 @@
-"""Small batches to the rung that is faster on them: a race of two rungs read per warmup batch.
+"""Each batch shape to the rung that is faster at it: a race of two rungs read per warmup batch.
 
 Two rungs that both pass the gate need not be faster at every shape: on an Intel Xeon with AMX, OpenVINO ran MiniLM's
-lone 16-token text 16 % faster than the tuned compile, and 8 texts of 128 tokens 25 % slower. A race sums its warmup
-batches, so the large ones decide it. ``split`` reads the race per batch instead: where the rung that lost the sum is
-faster on the smallest batches, batches up to the largest of those (in elements of the first input: rows x tokens for
-text) go to it, the rest to the winner (``Routed``).
+lone 16-token text and 8 texts of 64 tokens 10-22 % faster than the tuned compile, and 8 texts of 256 tokens 20 %
+slower. A race sums its warmup batches, so the large ones decide it. ``split`` reads the race per batch instead:
+the warmup shapes where the loser of the sum was at least the race's margin faster go to it (``Routed``), a live
+batch taking the route of the warmup shape nearest its own (the first input's shape, compared on a log scale: rows x
+tokens for text), the winner's where two are as near.
 
 Pure torch; no TorchServe import.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+Shape = tuple[int, ...]
 
-def size_of(batch: Mapping[str, torch.Tensor]) -> int:
-    """What a batch's route is chosen by: its first input's elements (rows x tokens for text)."""
+
+def shape_of(batch: Mapping[str, Any]) -> Shape | None:
+    """What a batch's route is chosen by: its first input's shape (rows x tokens for text); None if not a tensor."""
     first = next(iter(batch.values()), None)
-    return int(first.numel()) if isinstance(first, torch.Tensor) else 0
+    return tuple(first.shape) if isinstance(first, torch.Tensor) else None
 
 
-def split(loser_ms: Sequence[float], winner_ms: Sequence[float], sizes: Sequence[int], min_gain: float) -> int | None:
-    """The largest batch size up to which the loser of a race serves: the smallest sizes, in order, at each of which
-    it is at least ``min_gain`` faster than the winner on every batch of that size. None where it is not at the
-    smallest size."""
-    up_to = None
-    for size in sorted(set(sizes)):
-        batches = [(loser, winner) for loser, winner, each in zip(loser_ms, winner_ms, sizes, strict=True)
-                   if each == size]
-        if not all(loser <= winner * (1 - min_gain) for loser, winner in batches):
-            break
-        up_to = size
-    return up_to
+def shapes_of(batches: Sequence[Any]) -> list[Shape] | None:
+    """Each warmup batch's shape, or None where a batch is not named tensors (no route can be chosen)."""
+    shapes = [shape_of(batch) if isinstance(batch, Mapping) else None for batch in batches]
+    return None if any(shape is None for shape in shapes) else shapes  # type: ignore[return-value]
 
 
-def sizes_of(batches: Sequence[Any]) -> list[int] | None:
-    """Each warmup batch's size, or None where a batch is not named tensors (no route can be chosen)."""
-    if not all(isinstance(batch, Mapping) for batch in batches):
-        return None
-    return [size_of(batch) for batch in batches]
+def split(loser_ms: Sequence[float], winner_ms: Sequence[float], shapes: Sequence[Shape],
+          min_gain: float) -> list[Shape] | None:
+    """The warmup shapes the loser of a race serves: those where it was at least ``min_gain`` faster than the winner
+    on every batch of that shape. None where there is none, or where it would serve every shape (then it would have
+    won the race)."""
+    faster: dict[Shape, bool] = {}
+    for loser, winner, shape in zip(loser_ms, winner_ms, shapes, strict=True):
+        faster[shape] = faster.get(shape, True) and loser <= winner * (1 - min_gain)
+    served = [shape for shape, wins in faster.items() if wins]
+    return served if served and len(served) < len(faster) else None
 
 
 class Routed:
-    """Batches of at most ``up_to`` elements (``size_of``) run ``small``, the others ``large``."""
+    """Batches whose shape is nearest one of ``small_shapes`` (the loser's) run ``loser``; the others, and those as
+    near a shape of each, run ``winner``. ``shapes``: every warmup shape."""
 
-    def __init__(self, small: Any, large: Any, up_to: int):
-        self.small = small
-        self.large = large
-        self.up_to = up_to
+    def __init__(self, loser: Any, winner: Any, loser_shapes: Sequence[Shape], shapes: Sequence[Shape]):
+        self.loser = loser
+        self.winner = winner
+        self.loser_shapes = frozenset(loser_shapes)
+        self.shapes = sorted(set(shapes))
+        self._route: dict[Shape | None, Any] = {}
 
     def __call__(self, **inputs: torch.Tensor) -> Any:
-        return (self.small if size_of(inputs) <= self.up_to else self.large)(**inputs)
+        shape = shape_of(inputs)
+        forward = self._route.get(shape)
+        if forward is None:
+            forward = self._route[shape] = self.loser if self.nearest_is_losers(shape) else self.winner
+        return forward(**inputs)
+
+    def nearest_is_losers(self, shape: Shape | None) -> bool:
+        """Whether every warmup shape nearest ``shape`` is one the loser serves."""
+        if shape is None:
+            return False
+        distances = {known: _distance(shape, known) for known in self.shapes}
+        if not distances or math.isinf(min(distances.values())):
+            return False
+        nearest = min(distances.values())
+        return all(known in self.loser_shapes for known, distance in distances.items()
+                   if math.isclose(distance, nearest))
+
+    def describe(self) -> list[str]:
+        return ["x".join(map(str, shape)) for shape in sorted(self.loser_shapes)]
+
+
+def _distance(shape: Shape, known: Shape) -> float:
+    """How far two shapes are apart on a log scale (a batch of 8 is as far from 4 as from 16); infinite where their
+    ranks differ."""
+    if len(shape) != len(known):
+        return math.inf
+    return math.sqrt(sum((math.log2(max(a, 1)) - math.log2(max(b, 1))) ** 2 for a, b in zip(shape, known, strict=True)))

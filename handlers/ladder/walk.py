@@ -98,53 +98,54 @@ class Walk:
         else:
             reasons = {winner: f"serves: {what} passed the gate, but was not {race.MIN_GAIN:.0%} faster here: {timed}",
                        loser: f"passed the gate, but not {race.MIN_GAIN:.0%} faster here: {timed}"}
-        up_to = self._route(raced, loser == challenger) if challenger.rung != rival.rung else None
-        if up_to is not None:
-            reasons[loser] = (f"serves batches of at most {up_to} elements of {self._first_input()}, where it was "
-                              f"at least {race.MIN_GAIN:.0%} faster on every warmup batch: {timed}")
+        routed = self._route(raced, loser == challenger) if challenger.rung != rival.rung else None
+        if routed is not None:
+            shown = ", ".join("x".join(map(str, shape)) for shape in routed)
+            reasons[loser] = (f"serves the batches nearest the warmup shapes {shown} of {self._first_input()}, where "
+                              f"it was at least {race.MIN_GAIN:.0%} faster: {timed}")
         for step, forward_ms in ((challenger, ms[0]), (rival, ms[1])):
             index = self._attempt_of[step]
-            status = AttemptStatus.ACCEPTED if step == winner or up_to is not None else AttemptStatus.SLOWER
+            status = AttemptStatus.ACCEPTED if step == winner or routed is not None else AttemptStatus.SLOWER
             self.attempts[index] = self.attempts[index].but(status=status, reason=reasons[step],
                                                             forward_ms=forward_ms)
-        if up_to is not None:
-            self.forwards[winner] = routes.Routed(self.forwards.pop(loser), self.forwards[winner], up_to)
+        if routed is not None:
+            shapes = routes.shapes_of(self.proof.batches) or []
+            self.forwards[winner] = routes.Routed(self.forwards.pop(loser), self.forwards[winner], routed, shapes)
             self.routed = True
         else:
             del self.forwards[loser]
             if self._variant(loser) != self._variant(winner):
                 self.variants.drop(self._variant(loser))  # the reference (fp32) stays: it serves the eager fallback
         if challenger.rung != rival.rung:
-            self._said_race(winner, loser, challenger, rival, raced, up_to)
+            self._said_race(winner, loser, challenger, rival, raced, routed)
         log = logger.warning if raced.disturbed else logger.info
         log("raced %s against %s: %s; %s (%s) serves%s, in %.1fs", _named(challenger), _named(rival), timed,
             winner.rung, winner.precision,
-            f", {loser.rung} batches of at most {up_to} elements" if up_to is not None else "", since(started))
+            f", {loser.rung} the batches it is faster at" if routed is not None else "", since(started))
         return winner
 
-    def _route(self, raced: race.Race, challenger_lost: bool) -> int | None:
-        """Up to which batch size the loser of a race of two rungs still serves (``routes.split``); None: nowhere."""
-        sizes = routes.sizes_of(self.proof.batches)
-        if raced.per_batch is None or sizes is None:
+    def _route(self, raced: race.Race, challenger_lost: bool) -> list[routes.Shape] | None:
+        """The warmup shapes the loser of a race of two rungs still serves (``routes.split``); None: none."""
+        shapes = routes.shapes_of(self.proof.batches)
+        if raced.per_batch is None or shapes is None:
             return None
         loser, winner = raced.per_batch if challenger_lost else reversed(raced.per_batch)
-        up_to = routes.split(loser, winner, sizes, race.MIN_GAIN)
-        return None if up_to is None or up_to >= max(sizes) else up_to
+        return routes.split(loser, winner, shapes, race.MIN_GAIN)
 
     def _first_input(self) -> str:
         first = self.proof.batches[0]
         return f"'{next(iter(first))}'" if isinstance(first, Mapping) and first else "the first input"
 
     def _said_race(self, winner: plan.Step, loser: plan.Step, challenger: plan.Step, rival: plan.Step,
-                   raced: race.Race, up_to: int | None) -> None:
+                   raced: race.Race, routed: list[routes.Shape] | None) -> None:
         """The race of two rungs as describe shows it."""
         ms = raced.ms
         self.rung_race = {"served": _named(winner), "against": _named(loser),
                           "forward_ms": {_named(challenger): ms[0], _named(rival): ms[1]},
                           "speedup": round(max(ms) / max(min(ms), 1e-9), 3), "measured": raced.describe()}
-        if up_to is not None:
-            self.rung_race["small_batches"] = {"served_by": _named(loser), "up_to_elements": up_to,
-                                               "input": self._first_input()}
+        if routed is not None:
+            self.rung_race["routed"] = {"served_by": _named(loser), "input": self._first_input(),
+                                        "nearest_warmup_shapes": ["x".join(map(str, shape)) for shape in routed]}
         if raced.per_batch is not None:
             self.rung_race["per_batch_ms"] = {
                 _named(challenger): raced.per_batch[0], _named(rival): raced.per_batch[1],

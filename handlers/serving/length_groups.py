@@ -172,7 +172,8 @@ def measure(forward: Callable[..., Any], batches: Sequence[Any], calls: int = 3,
         synchronize()
 
     try:
-        raced = race.run_race(list(batches), [None], call, rounds=calls, patience_s=patience_s)
+        # one forward, its shapes taking turns: nothing else runs between two calls to slow one
+        raced = race.run_race(list(batches), [None], call, rounds=calls, patience_s=patience_s, in_a_row=1)
     except Exception as exc:  # noqa: BLE001 -- grouping is only a speed-up: a forward that fails here never fails a load
         return _none(f"timing the forward failed: {type(exc).__name__}: {exc}", logging.WARNING)
     if raced.disturbed:
