@@ -13,7 +13,7 @@ Pure torch; no TorchServe import.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,19 +49,28 @@ class Routed:
     """Batches whose shape is nearest one of ``small_shapes`` (the loser's) run ``loser``; the others, and those as
     near a shape of each, run ``winner``. ``shapes``: every warmup shape."""
 
-    def __init__(self, loser: Any, winner: Any, loser_shapes: Sequence[Shape], shapes: Sequence[Shape]):
+    def __init__(self, loser: Any, winner: Any, loser_shapes: Sequence[Shape], shapes: Sequence[Shape],
+                 switching_to: Mapping[str, Callable[[], Any]] | None = None):
         self.loser = loser
         self.winner = winner
         self.loser_shapes = frozenset(loser_shapes)
         self.shapes = sorted(set(shapes))
-        self._route: dict[Shape | None, Any] = {}
+        # called when a batch goes to "loser" or "winner" after one went to the other (e.g. torch's OpenMP threads
+        # ended before OpenVINO's run: they spin on the cores for a while after the compiled forward)
+        self.switching_to = dict(switching_to or {})
+        self._route: dict[Shape | None, str] = {}
+        self._last: str | None = None
 
     def __call__(self, **inputs: torch.Tensor) -> Any:
         shape = shape_of(inputs)
-        forward = self._route.get(shape)
-        if forward is None:
-            forward = self._route[shape] = self.loser if self.nearest_is_losers(shape) else self.winner
-        return forward(**inputs)
+        side = self._route.get(shape)
+        if side is None:
+            side = self._route[shape] = "loser" if self.nearest_is_losers(shape) else "winner"
+        if side != self._last:
+            if self._last is not None and side in self.switching_to:
+                self.switching_to[side]()
+            self._last = side
+        return (self.loser if side == "loser" else self.winner)(**inputs)
 
     def nearest_is_losers(self, shape: Shape | None) -> bool:
         """Whether every warmup shape nearest ``shape`` is one the loser serves."""

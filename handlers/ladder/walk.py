@@ -110,7 +110,10 @@ class Walk:
                                                             forward_ms=forward_ms)
         if routed is not None:
             shapes = routes.shapes_of(self.proof.batches) or []
-            self.forwards[winner] = routes.Routed(self.forwards.pop(loser), self.forwards[winner], routed, shapes)
+            switching = {side: self.rungs[step.rung].before_switching_in for side, step in
+                         (("loser", loser), ("winner", winner)) if self.rungs[step.rung].before_switching_in}
+            self.forwards[winner] = routes.Routed(self.forwards.pop(loser), self.forwards[winner], routed, shapes,
+                                                  switching)
             self.routed = True
         else:
             del self.forwards[loser]

@@ -31,6 +31,8 @@ class Rung(ABC):
     # Whether, once accepted, it races the next racing rung of the ladder (compile against openvino): the faster
     # serves (``handlers.ladder.plan``).
     races = False
+    # Run before this rung's forward where a routed forward switches to it from another rung's (None: nothing).
+    before_switching_in: Callable[[], Any] | None = None
 
     def unavailable_reason(self) -> str | None:
         """Why this rung cannot be tried here, or None when it can."""

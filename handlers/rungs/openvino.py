@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 
 from handlers.config import DType, RungName
 from handlers.cpu import fused_attention
+from handlers.cpu.openmp_pause import OpenMPPause
 from handlers.rungs import openvino_ir
 from handlers.rungs.base import Forward, Rung
 
@@ -73,6 +74,10 @@ class OpenVinoRung(Rung):
     races = True
 
     def __init__(self, device: torch.device, cache_dir: str | None = None, skip_reason: str | None = None):
+        # Where a routed forward switches to OpenVINO from a compiled one, torch's OpenMP threads still spin on the
+        # cores for ~3 ms (libgomp's default) and OpenVINO's threads wait for them: they are ended first.
+        pause = OpenMPPause()
+        self.before_switching_in = pause if pause.available else None
         self.device = device
         self.cache_dir = Path(cache_dir) / openvino_ir.DIRECTORY if cache_dir else None
         self._skip_reason = skip_reason
