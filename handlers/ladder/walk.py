@@ -1,5 +1,6 @@
-"""The walk: each step ``handlers.ladder.plan`` asks for, run and recorded as an ``Attempt``; and the races between
-two accepted steps of one rung that the plan asks to settle.
+"""The walk: each step ``handlers.ladder.plan`` asks for, run and recorded as an ``Attempt``; and the races the plan
+asks to settle: two accepted steps of one rung (int8 and the next precision), or of two racing rungs (openvino and
+compile), whose loser may still serve the warmup shapes it was faster at (``handlers.ladder.routes``).
 
 Pure torch; no TorchServe import.
 """
@@ -34,7 +35,7 @@ class Walk:
         self.precisions = tuple(p.value for p in precisions)
         self.rung_race: dict[str, object] | None = None  # the race of two rungs, for describe
         self._won_before: dict[str, tuple[float, str]] = {}  # a rung a kept race found faster: its time, and why
-        self.routed = False  # the served forward routes small batches to the rung that lost the race
+        self.routed = False  # the served forward routes some shapes to the rung that lost the race
         self.proof = proof
         self.variants = variants
         self.screens = screens
