@@ -135,7 +135,8 @@ def test_the_shipped_compile_serves_batch_1_and_larger_batches_with_one_graph(qa
     cold compiles per load); traced with unbacked rows, the one graph serves both, with the eager engine's answers."""
     raw = yaml.safe_load(SHIPPED_YAML.read_text())
     # the compile rung alone: what it traces is the point here (the shipped ladder races openvino against it)
-    raw["pt2_handlers"].update(model_dir=str(task_model_dirs["minilm-qa"]), dtype="float32", ladder=["compile", "eager"])
+    raw["pt2_handlers"].update(model_dir=str(task_model_dirs["minilm-qa"]), dtype="float32",
+                               ladder=["compile", "eager"])
     torch._dynamo.reset()  # a worker's process: no graphs of earlier tests on the same code
     engine = Engine(load_config(raw), Path("/"), torch.device("cpu"), "qa")
     engine.load()
