@@ -196,7 +196,10 @@ def test_a_worker_killed_mid_traffic_comes_back_and_no_answer_is_wrong(productio
     assert sum(1 for t, _, _ in ok if t > ready_at) >= 4, "no request succeeded after the restart"
     meta = describe(production)["customizedMetadata"]
     assert meta["optimization"]["active"] == rung
-    assert [a["rung"] for a in meta["optimization"]["attempts"] if a["status"] == "accepted"] == [rung]
+    accepted = [a["rung"] for a in meta["optimization"]["attempts"] if a["status"] == "accepted"]
+    # the served rung; the other racing rung too where it serves the shapes it was faster at
+    assert rung in accepted and len(accepted) == len(set(accepted)) and (len(accepted) == 1 or set(accepted) == {
+        "openvino", "compile"}), accepted
 
 
 def test_a_worker_killed_during_its_warmup_comes_back_ready(production, reference):

@@ -291,14 +291,14 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, re
 def test_describe_shows_the_ladder_and_the_fast_path(server):
     meta = describe(server)["customizedMetadata"]
     optimization = meta["optimization"]
-    assert optimization["active"] == "compile"
+    assert optimization["active"] in RACING  # openvino and compile race at load: the faster serves
     # dtype auto: whatever this CPU resolves it to (tests/test_config.py covers both kinds with injected flags),
-    # MiniLM's embeddings keep the gate in the fastest precision, so compile serves in it.
+    # MiniLM's embeddings keep the gate in the fastest precision, so the served rung runs in it.
     plan = [p.value for p in choice.resolve_precisions((DType.AUTO,), torch.device("cpu")).value]
     assert optimization["precisions"]["tried_in_order"] == plan
     served = auto_served(optimization, plan)  # bf16 where it is faster than fp32 here
     accepted = accepted_attempt(optimization)
-    assert (accepted["rung"], accepted["dtype"]) == ("compile", served) and accepted["seconds"] > 0
+    assert (accepted["rung"], accepted["dtype"]) == (optimization["active"], served) and accepted["seconds"] > 0
     assert optimization["device"] == "cpu" and optimization["dtype"] == served
     gate = accepted["quality"]
     assert gate["metric"] == "min_cosine" and gate["value"] >= gate["threshold"] == (
@@ -410,7 +410,8 @@ def test_the_cli_scales_1_3_1_under_a_trickle_and_new_workers_load_from_the_comp
         assert len(workers) == 3 and {w["status"] for w in workers} == {"READY"}, workers
         shown = manage(server, "describe", "minilm")
         ready_workers = re.findall(r"worker \d+: pid \d+ READY$", shown, re.M)
-        assert len(ready_workers) == 3 and "serving: rung compile" in shown, shown
+        rung = describe(server)["customizedMetadata"]["optimization"]["active"]
+        assert len(ready_workers) == 3 and f"serving: rung {rung} in" in shown and rung in RACING, shown
         # Sized from minWorkers 1, each worker would run every core: their forwards share them instead
         intra_op = describe(server)["customizedMetadata"]["optimization"]["threads"]
         assert intra_op["per_forward"].startswith("shared with the other workers on these"), intra_op
@@ -713,12 +714,13 @@ def assert_compiled_once_in_fp32_where_bf16_loses_the_answers(optimization: dict
     tries bf16 first, its eager screen fails and each racing rung runs once, in fp32; on others fp32 is all there
     is. The faster serves; the other lost the race (or was not built: an earlier load's race said so), or serves the
     small batches it is faster on."""
-    attempts = [(a["rung"], a["dtype"], a["status"]) for a in optimization["attempts"]]
+    # a rung not built (an earlier load's race said it would lose) has no precision: TorchServe drops null keys
+    attempts = [(a["rung"], a.get("dtype"), a["status"]) for a in optimization["attempts"]]
     if "bfloat16" in optimization["precisions"]["tried_in_order"]:
         assert attempts[0] == ("eager", "bfloat16", "failed"), attempts
         attempts = attempts[1:]
     assert sorted(rung for rung, _, _ in attempts) == sorted(RACING), attempts
-    assert {dtype for _, dtype, _ in attempts} == {"float32"}, attempts
+    assert {dtype for _, dtype, _ in attempts} - {None} == {"float32"}, attempts
     assert {rung: status for rung, _, status in attempts}[optimization["active"]] == "accepted", attempts
 
 
@@ -1063,8 +1065,10 @@ def test_prometheus_metrics_show_the_ladder_and_each_batch(server):
     assert any(labels["Rung"] == rung and labels["Precision"] == served and labels["Status"] == "accepted"
                and value >= 1 for labels, value in of("Pt2RungAttempts"))
     assert any(labels["Rung"] == rung and value >= 0 for labels, value in of("Pt2RungSeconds"))
-    raced = {labels["Rung"]: labels["Status"] for labels, value in of("Pt2RungForwardMilliseconds") if value > 0}
-    assert raced == {rung: "accepted", ({"openvino", "compile"} - {rung}).pop(): "slower"}, raced
+    raced = {labels["Rung"]: labels["Status"] for labels, value in of("Pt2RungForwardMilliseconds")
+             if value > 0 and labels["Rung"] in RACING}
+    other = ({"openvino", "compile"} - {rung}).pop()  # lost the race, or serves the shapes it was faster at
+    assert raced[rung] == "accepted" and raced.get(other) in ("slower", "accepted"), raced
     gates = {(labels["Rung"], labels["Precision"], labels["Status"]): value for labels, value in of("Pt2RungGateValue")}
     assert gates[(rung, served, "accepted")] >= 0.999, gates
     assert all(value > 0 for _, value in of("Pt2LoadSeconds")) and of("Pt2LoadSeconds")
