@@ -144,9 +144,8 @@ class Walk:
                    raced: race.Race, routed: list[routes.Shape] | None) -> None:
         """The race of two rungs as describe shows it."""
         ms = raced.ms
-        self.rung_race = {"served": _named(winner), "against": _named(loser),
-                          "forward_ms": {_named(challenger): ms[0], _named(rival): ms[1]},
-                          "speedup": round(max(ms) / max(min(ms), 1e-9), 3), "measured": raced.describe()}
+        self.rung_race = _race_said(_named(winner), _named(loser), {_named(challenger): ms[0], _named(rival): ms[1]},
+                                    raced)
         if routed is not None:
             self.rung_race["routed"] = {"served_by": _named(loser), "input": self._first_input(),
                                         "nearest_warmup_shapes": ["x".join(map(str, shape)) for shape in routed]}
@@ -185,10 +184,7 @@ class Walk:
         self.attempts.append(Attempt(rival, AttemptStatus.SLOWER, f"not built: not {race.MIN_GAIN:.0%} faster "
                                                                   f"than {step.rung} here: {said}", 0.0,
                                      forward_ms=earlier.ms[0]))
-        self.rung_race = {"served": f"{step.rung} ({step.precision})", "against": rival,
-                          "forward_ms": {rival: earlier.ms[0], f"{step.rung} ({step.precision})": earlier.ms[1]},
-                          "speedup": round(max(earlier.ms) / max(min(earlier.ms), 1e-9), 3),
-                          "measured": earlier.describe()}
+        self.rung_race = _race_said(_named(step), rival, {rival: earlier.ms[0], _named(step): earlier.ms[1]}, earlier)
         logger.info("%s (%s) serves: %s; %s not built", step.rung, step.precision, said, rival)
         return True
 
@@ -201,10 +197,7 @@ class Walk:
             return None  # no kept race, this step won it, or it serves small batches: build it
         said = (f"{earlier.ms[0]:.2f} ms on {rival} against {earlier.ms[1]:.2f} on {_named(step)}, "
                 f"{earlier.describe()}")
-        self.rung_race = {"served": rival, "against": _named(step),
-                          "forward_ms": {rival: earlier.ms[0], _named(step): earlier.ms[1]},
-                          "speedup": round(earlier.ms[1] / max(earlier.ms[0], 1e-9), 3),
-                          "measured": earlier.describe()}
+        self.rung_race = _race_said(rival, _named(step), {rival: earlier.ms[0], _named(step): earlier.ms[1]}, earlier)
         self._won_before[rival] = (earlier.ms[0], said)
         logger.info("%s not built: %s was faster here: %s", _named(step), rival, said)
         return Attempt(step.rung, AttemptStatus.SLOWER, f"not built: {rival} was faster here: {said}", 0.0,
@@ -248,3 +241,10 @@ def _named(step: plan.Step) -> str:
 def _label(challenger: plan.Step, rival: plan.Step) -> str:
     """The challenger as a race's reasons name it: its precision on one rung, its rung across two."""
     return challenger.precision if challenger.rung == rival.rung else challenger.rung
+
+
+def _race_said(served: str, against: str, forward_ms: dict[str, float], raced: race.Race) -> dict[str, object]:
+    """A race of two rungs as describe's ``rung_race`` shows it."""
+    times = list(forward_ms.values())
+    return {"served": served, "against": against, "forward_ms": forward_ms,
+            "speedup": round(max(times) / max(min(times), 1e-9), 3), "measured": raced.describe()}

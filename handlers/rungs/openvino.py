@@ -82,6 +82,7 @@ class OpenVinoRung(Rung):
         self.cache_dir = Path(cache_dir) / openvino_ir.DIRECTORY if cache_dir else None
         self._skip_reason = skip_reason
         self._example: Mapping[str, torch.Tensor] | None = None
+        self._keys: dict[int, tuple[torch.nn.Module, str]] = {}  # the IR's key per module (its weights hashed once)
 
     def identity(self) -> object:
         openvino, _ = probe_openvino()
@@ -89,6 +90,7 @@ class OpenVinoRung(Rung):
 
     def prepare(self, batches: Sequence[Any]) -> None:
         self._example = example_batch(batches)
+        self._keys.clear()
 
     def unavailable_reason(self) -> str | None:
         if self._skip_reason:
@@ -111,7 +113,7 @@ class OpenVinoRung(Rung):
         if openvino is None or self._example is None:
             raise RuntimeError(reason or "no example batch to convert the module on")
         started = time.perf_counter()
-        store = openvino_ir.IrStore(self.cache_dir, openvino_ir.key(module, self._example, openvino.__version__))
+        store = openvino_ir.IrStore(self.cache_dir, self._key(module, openvino.__version__))
         model = store.read(openvino)
         said = "read from the cache"
         if model is None:
@@ -125,6 +127,13 @@ class OpenVinoRung(Rung):
                     PRECISION_HINTS[dtype], torch.get_num_threads(), PERFORMANCE_HINT,
                     time.perf_counter() - converted)
         return OpenVinoForward(compiled, list(self._example), structure(module, self._example))
+
+    def _key(self, module: torch.nn.Module, version: str) -> str:
+        """The IR's key, hashed once per module: each precision converts the same fp32 module."""
+        if self._keys.get(id(module), (None,))[0] is not module:
+            assert self._example is not None
+            self._keys[id(module)] = (module, openvino_ir.key(module, self._example, version))
+        return self._keys[id(module)][1]
 
     def config(self, dtype: DType) -> dict[str, Any]:
         """OpenVINO's CPU settings for a forward in ``dtype``: its precision, the worker's threads, one stream."""
