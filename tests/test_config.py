@@ -203,8 +203,8 @@ def test_a_check_on_a_wrong_field_is_left_to_its_own_error():
                                       "shapes": {"policy": "dynamic", "batch_sizes": [1, 2]}}})
     assert caught.value.problems == (
         "pt2_handlers.task: unknown task 'text-generaton' (did you mean text-generation?); use one of: embeddings, "
-        "question-answering, tensor, text-classification, text-generation, token-classification, or module:Class for a "
-        "task of your own",)
+        "image-classification, question-answering, tensor, text-classification, text-generation, "
+        "token-classification, or module:Class for a task of your own",)
 
 
 def test_a_task_default_is_checked_like_a_written_value():

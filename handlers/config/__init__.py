@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from handlers.config.image import ImageSection
 from handlers.config.problems import problems_of
 from handlers.config.schema import ModelYaml, validate_model_yaml
 from handlers.config.settings import SettingsSection, shape_policy
@@ -82,6 +83,7 @@ def _settings(section: SettingsSection, compile_dynamic: bool | None) -> Handler
         max_inputs_per_request=section.max_inputs_per_request, batch_metrics_every_s=section.batch_metrics_every_s,
         inputs=tuple(item.spec() for item in section.inputs or ()),
         options=MappingProxyType(dict(section.options)),
+        image=(section.image or ImageSection()).spec(),
     )
 
 

@@ -15,8 +15,9 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictBool, 
 from handlers.config.fields import (PositiveInt, PositiveInts, Seconds, Section, choose, did_you_mean, one_of, problem,
                                     problems, shown)
 from handlers.config.shapes import AfterReady, PolicyKind, ShapePolicy
+from handlers.config.image import ImageSection
 from handlers.config.inputs import InputSection
-from handlers.config.task_facts import TASK_FACTS, TASK_NAMES, USER_TASK_PATTERN, is_user_task
+from handlers.config.task_facts import IMAGE_TASK, TASK_FACTS, TASK_NAMES, USER_TASK_PATTERN, is_user_task
 from handlers.config.values import Attention, DType, HandlerSettings, ModuleGuards, Pick, RungName, TooLong
 
 DEFAULTS = HandlerSettings()
@@ -285,6 +286,9 @@ class SettingsSection(Section):
     (the forward's keyword argument), dtype and shape, so requests are checked and warmup inputs made."""
     options: dict[StrictStr, Any] = Field(default_factory=dict)
     """Anything a task of your own reads (`settings.options` in its class); the built-in tasks read nothing here."""
+    image: ImageSection | None = None
+    """image-classification: the preprocessing (TorchServe's `image_classifier` by default: resize 256, centre crop
+    224, ImageNet mean and std) and how many labels each answer holds."""
     max_length: PositiveInt | None = DEFAULTS.max_length
     """Tokens per text, special tokens included. Left out: `sentence_bert_config.json`'s, else the tokenizer's
     limit, capped at the model's positions."""
@@ -393,6 +397,14 @@ class SettingsSection(Section):
             raise problem(f"{facts.name} reads text through its tokenizer: inputs are for the tensor task and tasks "
                           "of your own")
         return inputs
+
+    @field_validator("image")
+    @classmethod
+    def _image_task_only(cls, image: ImageSection | None, info: ValidationInfo) -> ImageSection | None:
+        task = info.data.get("task")
+        if image is not None and task in TASK_FACTS and task != IMAGE_TASK:
+            raise problem(f"image is read by the {IMAGE_TASK} task (and tasks of your own), not {task}")
+        return image
 
     @field_validator("int8_calibration")
     @classmethod

@@ -71,12 +71,18 @@ SCORE_GATE = GateFacts(
     bounds=(0.0, 1.0), what="a probability difference",
     measures="the largest probability difference from fp32 eager, over every output, row and label",
 )
+IMAGE_GATE = GateFacts(
+    keys=SCORE_GATE.keys, defaults=(1e-3, 2e-1, 2.5e-1), bounds=(0.0, 1.0), what="a probability difference",
+    measures="the largest probability difference from fp32 eager, over every image and label (besides: every "
+             "image's most likely label the same, and at most one of its top 5 different)",
+)
 TOKEN_GATE = GateFacts(
     keys=("min_token_agreement",), defaults=(1.0,), bounds=(0.0, 1.0), what="a share of tokens",
     measures="per warmup prompt, the share of greedy tokens before the first that differs from fp32 eager's "
              "(1.0: identical)",
 )
 
+IMAGE_TASK = "image-classification"
 TASK_FACTS: Mapping[str, TaskFacts] = MappingProxyType({facts.name: facts for facts in (
     TaskFacts("embeddings", "handlers.tasks.embeddings:EmbeddingsTask",
               "sentence embeddings: mean-pooled, normalized (sentence-transformers' answer)", COSINE_GATE),
@@ -92,6 +98,9 @@ TASK_FACTS: Mapping[str, TaskFacts] = MappingProxyType({facts.name: facts for fa
               float32_only="its gate wants greedy tokens identical to fp32 eager's, which half types rarely keep",
               static_shapes_only="the decode step runs against a static KV cache per (batch, cache length) bucket",
               causal_attention=True),
+    TaskFacts(IMAGE_TASK, "handlers.tasks.image_classification:ImageClassificationTask",
+              "top-k labels per image, TorchServe's image_classifier contract (raw bytes, base64, multipart)",
+              IMAGE_GATE, default_shapes=ShapePolicy(batch_sizes=(1, 2, 4, 8), seq_lengths=(1,))),
     TaskFacts("tensor", "handlers.tasks.tensor:TensorTask",
               "any nn.Module: named tensors in (pt2_handlers.inputs), tensors out", COSINE_GATE,
               more_gates=(MAX_ERROR_GATE,), needs_inputs=True),

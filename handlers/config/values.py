@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from handlers.config.image import ImageSpec
 from handlers.config.inputs import TensorSpec
 from handlers.config.shapes import ShapePolicy
 
@@ -187,6 +188,7 @@ class HandlerSettings:
     batch_metrics_every_s: float = 1.0  # the per-batch gauges: means of each window this long; 0: every batch
     inputs: tuple[TensorSpec, ...] = ()  # the tensor task's (and a task of one's own) model inputs
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # a task of one's own reads them
+    image: ImageSpec = field(default_factory=ImageSpec)  # image-classification's preprocessing and top-k
 
 
 @dataclass(frozen=True)

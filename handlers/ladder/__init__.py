@@ -63,7 +63,8 @@ def run_ladder(reference: torch.nn.Module, rungs: Sequence[Rung], warmup: Warmup
     walk = _walk(reference, rungs, warmup, references, precisions, calibration, site, race_rungs)
     step = plan.walk([rung.name for rung in rungs], [p.value for p in precisions.order], walk.attempt,
                      runs_in=walk.runs_in, must_pay=[p.value for p in MUST_PAY], faster=walk.faster,
-                     settled=walk.settled, rival_of=walk.rival_of, rung_settled=walk.rung_settled)
+                     settled=walk.settled, rival_of=walk.rival_of, rung_settled=walk.rung_settled,
+                     own_precision=lambda name: walk.rungs[name].own_precision)
     calibration_said = None if calibration is None else calibration.describe(len(warmup.batches))
     weights_key = walk.races.decisions.weights_key
     if step.is_reference:

@@ -19,6 +19,8 @@ precisions come from the YAML's ``dtype``, fastest first; fp32 eager, the refere
    its rival rung, walked as any rung (rules 2, 3 and 6) where it comes later in the ladder; the rival serves only if
    ``faster`` finds it faster. Where an earlier load found the accepted rung faster (``rung_settled``), the rival is
    not built.
+8. A rung whose precision is its own (``own_precision``: OpenVINO's inference hint keeps the layers that need it
+   wider, which eager in bf16 does not) is not held to a half precision's screen: its own warmup and gate decide.
 
 Pure Python: the ladder (``handlers.ladder``) supplies ``attempt``, which runs a step and says how it went.
 """
@@ -60,15 +62,17 @@ def walk(rungs: Sequence[str], precisions: Sequence[str], attempt: Callable[[Ste
          must_pay: Collection[str] = (), faster: Callable[[Step, Step], Step] | None = None,
          settled: Callable[[Step, Step], bool] = lambda step, rival: False,
          rival_of: Callable[[str], str | None] = lambda rung: None,
-         rung_settled: Callable[[Step, str], bool] = lambda step, rival: False) -> Step:
+         rung_settled: Callable[[Step, str], bool] = lambda step, rival: False,
+         own_precision: Callable[[str], bool] = lambda rung: False) -> Step:
     """Make the attempts in the ladder's order, each through ``attempt``, until one is accepted; return it.
     ``rungs`` in the configured order, ``precisions`` fastest first; ``runs_in(rung, precision)`` says which
     pairs exist at all. Returns ``REFERENCE`` when no other step is accepted (``attempt`` is never asked to run
     it: the reference needs no proof). An accepted step in a ``must_pay`` precision serves only if
     ``faster(step, rival)`` picks it over the same rung at the next precision that is accepted, or
     ``settled(step, rival)`` says it is faster without the rival being tried (rule 6). An accepted step whose rung
-    has a rival later in ``rungs`` (``rival_of``) is raced against that rung's own accepted step (rule 7)."""
-    rung_walk = _RungWalk(precisions, attempt, runs_in, must_pay, faster, settled)
+    has a rival later in ``rungs`` (``rival_of``) is raced against that rung's own accepted step (rule 7). A rung
+    with ``own_precision`` is not screened (rule 8)."""
+    rung_walk = _RungWalk(precisions, attempt, runs_in, must_pay, faster, settled, own_precision)
     for index, rung in enumerate(rungs):
         step = rung_walk(rung)
         if step is None:
@@ -89,8 +93,10 @@ class _RungWalk:
 
     def __init__(self, precisions: Sequence[str], attempt: Callable[[Step], Outcome],
                  runs_in: Callable[[str, str], bool], must_pay: Collection[str],
-                 faster: Callable[[Step, Step], Step] | None, settled: Callable[[Step, Step], bool]):
+                 faster: Callable[[Step, Step], Step] | None, settled: Callable[[Step, Step], bool],
+                 own_precision: Callable[[str], bool] = lambda rung: False):
         self.precisions = precisions
+        self.own_precision = own_precision
         self.attempt = attempt
         self.runs_in = runs_in
         self.must_pay = must_pay
@@ -110,11 +116,12 @@ class _RungWalk:
             step = Step(rung, precision)
             if step.is_reference:
                 return REFERENCE
-            if not self.runs_in(rung, precision) or not self.allowed(precision):
+            allowed = (lambda _: True) if self.own_precision(rung) else self.allowed
+            if not self.runs_in(rung, precision) or not allowed(precision):
                 continue
             outcome = self.attempt(step)
             if outcome is Outcome.ACCEPTED:
-                return (_raced(step, self.precisions, self.attempt, self.runs_in, self.allowed, self.faster,
+                return (_raced(step, self.precisions, self.attempt, self.runs_in, allowed, self.faster,
                                self.settled) if precision in self.must_pay else step)
             if outcome is not Outcome.GATE_FAILED:
                 return None  # raised or cannot run: the next rung, at the fastest precision

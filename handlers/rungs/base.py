@@ -31,6 +31,9 @@ class Rung(ABC):
     # Whether, once accepted, it races the next racing rung of the ladder (compile against openvino): the faster
     # serves (``handlers.ladder.plan``).
     races = False
+    # Whether its half precision is its own rather than eager's (OpenVINO's hint keeps sensitive layers wider): then
+    # eager's screen of that precision does not rule it out (``handlers.ladder.plan``, rule 8).
+    own_precision = False
     # Run before this rung's forward where a routed forward switches to it from another rung's (None: nothing).
     before_switching_in: Callable[[], Any] | None = None
 

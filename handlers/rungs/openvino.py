@@ -72,6 +72,7 @@ class OpenVinoRung(Rung):
     name = RungName.OPENVINO.value
     takes_float32 = True  # converted from fp32 weights; the precision is OpenVINO's hint
     races = True
+    own_precision = True  # its bf16 hint keeps the precision-sensitive layers wider than eager in bf16 does
 
     def __init__(self, device: torch.device, cache_dir: str | None = None, skip_reason: str | None = None):
         # Where a routed forward switches to OpenVINO from a compiled one, torch's OpenMP threads still spin on the

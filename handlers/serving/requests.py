@@ -14,7 +14,6 @@ from typing import Any
 from handlers.errors import HandlerError, InferenceError, native_panic
 from handlers.ladder import summarize
 from handlers.tasks import Task, open_inference
-from handlers.tasks.base import decode_body
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class Requests:
         parsed: dict[int, Any] = {}
         for index, body in enumerate(bodies):
             try:
-                body = decode_body(body)
+                body = self.task.decode(body)
                 if open_inference.is_request(body):
                     v2[index] = None
                     request = open_inference.parse_request(body, numeric=self.task.reads_tensors)

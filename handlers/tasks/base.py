@@ -151,6 +151,11 @@ class Task(ABC):
         at ``max_length``)."""
         return replace(shapes, seq_lengths=(1,))
 
+    def decode(self, body: Any) -> Any:
+        """One body as TorchServe hands it over (JSON, text or bytes) made text or JSON (``decode_body``); a task that
+        reads binary bodies (images) keeps them as bytes."""
+        return decode_body(body)
+
     @abstractmethod
     def parse(self, body: Any) -> Any:
         """Validate one request body (already through ``decode_body``: text or JSON) into a request object; raise
