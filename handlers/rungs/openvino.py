@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 import torch
@@ -83,6 +83,7 @@ class OpenVinoRung(Rung):
         self.cache_dir = Path(cache_dir) / openvino_ir.DIRECTORY if cache_dir else None
         self._skip_reason = skip_reason
         self._example: Mapping[str, torch.Tensor] | None = None
+        self._fixed: dict[str, tuple[int, ...]] = {}  # per input, the axes exported at the warmup's one size
         self._keys: dict[int, tuple[torch.nn.Module, str]] = {}  # the IR's key per module (its weights hashed once)
 
     def identity(self) -> object:
@@ -91,6 +92,7 @@ class OpenVinoRung(Rung):
 
     def prepare(self, batches: Sequence[Any]) -> None:
         self._example = example_batch(batches)
+        self._fixed = fixed_axes(batches)
         self._keys.clear()
 
     def unavailable_reason(self) -> str | None:
@@ -119,7 +121,7 @@ class OpenVinoRung(Rung):
         said = "read from the cache"
         if model is None:
             with _root_logging_kept():
-                model = openvino.convert_model(export(module, self._example))
+                model = openvino.convert_model(export(module, self._example, self._fixed))
             store.write(openvino, model)
             said = "exported and converted"
         converted = time.perf_counter()
@@ -133,7 +135,7 @@ class OpenVinoRung(Rung):
         """The IR's key, hashed once per module: each precision converts the same fp32 module."""
         if self._keys.get(id(module), (None,))[0] is not module:
             assert self._example is not None
-            self._keys[id(module)] = (module, openvino_ir.key(module, self._example, version))
+            self._keys[id(module)] = (module, openvino_ir.key(module, self._example, version, self._fixed))
         return self._keys[id(module)][1]
 
     def config(self, dtype: DType) -> dict[str, Any]:
@@ -169,16 +171,33 @@ def example_batch(batches: Sequence[Any]) -> Mapping[str, torch.Tensor] | None:
     return max(named, key=lambda batch: sorted((min(t.shape, default=0), t.numel()) for t in batch.values()))
 
 
-def export(module: torch.nn.Module, example: Mapping[str, torch.Tensor]) -> torch.export.ExportedProgram:
-    """``module`` exported with every axis of every input left to torch.export (``Dim.AUTO``): those the model
-    fixes (a hidden size) stay fixed, the rest (batch, sequence) dynamic. The inputs go in positionally, in the
-    example's order (a forward may take them as ``**inputs``)."""
+def export(module: torch.nn.Module, example: Mapping[str, torch.Tensor],
+           fixed: Mapping[str, tuple[int, ...]] = MappingProxyType({})) -> torch.export.ExportedProgram:
+    """``module`` exported with the axes of each input left to torch.export (``Dim.AUTO``): those the model fixes
+    (a hidden size) stay fixed, the rest (batch, sequence) dynamic; but the axes ``fixed`` names per input are
+    exported at the example's size (an image's height and width, one size after preprocessing: left dynamic, shape
+    arithmetic such as a window's padding becomes operations OpenVINO cannot convert). The inputs go in
+    positionally, in the example's order (a forward may take them as ``**inputs``)."""
     auto = torch.export.Dim.AUTO
-    shapes = tuple({axis: auto for axis in range(tensor.dim())} for tensor in example.values())
+    shapes = tuple({axis: auto for axis in range(tensor.dim()) if axis not in fixed.get(name, ())}
+                   for name, tensor in example.items())
     positional = _Positional(module, list(example))
     positional.training = False  # the module is the ladder's reference, in eval mode (an exported one has no eval())
     with torch.no_grad(), fused_attention.left_out():  # OpenVINO does not know this package's attention kernel
         return torch.export.export(positional, tuple(example.values()), dynamic_shapes=(shapes,), strict=False)
+
+
+def fixed_axes(batches: Sequence[Any]) -> dict[str, tuple[int, ...]]:
+    """Per input, the axes past the batch and sequence (0 and 1) that have one size in every warmup batch: what the
+    task's preprocessing fixes (an image's height and width)."""
+    named = [batch for batch in batches if isinstance(batch, Mapping)]
+    sizes: dict[str, set[tuple[int, ...]]] = {}
+    for batch in named:
+        for name, tensor in batch.items():
+            if isinstance(tensor, torch.Tensor):
+                sizes.setdefault(name, set()).add(tuple(tensor.shape[2:]))
+    return {name: tuple(range(2, 2 + len(next(iter(shapes))))) for name, shapes in sizes.items()
+            if len(shapes) == 1 and next(iter(shapes))}
 
 
 class _Positional(torch.nn.Module):

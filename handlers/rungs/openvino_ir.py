@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -27,11 +28,14 @@ BLOBS = "blobs"  # OpenVINO's CACHE_DIR, under DIRECTORY
 MODEL = "model.xml"
 
 
-def key(module: torch.nn.Module, example: Mapping[str, torch.Tensor], openvino_version: str) -> str:
-    """What an IR of ``module`` converted on ``example`` depends on, hashed."""
+def key(module: torch.nn.Module, example: Mapping[str, torch.Tensor], openvino_version: str,
+        fixed: Mapping[str, tuple[int, ...]] = MappingProxyType({})) -> str:
+    """What an IR of ``module`` converted on ``example`` (the axes ``fixed`` at its sizes) depends on, hashed."""
     digest = hashlib.sha256(repr((torch.__version__, openvino_version,
                                   sorted({type(child).__qualname__ for child in module.modules()}),
-                                  [(name, str(tensor.dtype), tensor.dim()) for name, tensor in example.items()]))
+                                  [(name, str(tensor.dtype), tensor.dim(),
+                                    [tensor.shape[axis] for axis in fixed.get(name, ())])
+                                   for name, tensor in example.items()]))
                             .encode())
     for name, tensor in module.state_dict().items():
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
