@@ -104,7 +104,7 @@ def assert_raced(optimization: dict, rival: str) -> str:
     reason naming the outcome. Which one wins depends on the CPU (AMX makes bf16 faster); returns it."""
     attempts = optimization["attempts"]
     raced = {a["dtype"]: a for a in attempts  # TorchServe drops nulls; auto's bf16 screen races fp32 eager
-             if a.get("forward_ms") is not None and not a["screen"]}
+             if a.get("forward_ms") is not None and not a["screen"] and a["rung"] == "compile"}
     assert set(raced) == {"int8", rival} and all(a["rung"] == "compile" for a in raced.values()), attempts
     served = "int8" if race.pays(raced["int8"]["forward_ms"], raced[rival]["forward_ms"]) else rival
     loser = rival if served == "int8" else "int8"

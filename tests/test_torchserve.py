@@ -482,8 +482,9 @@ def assert_loaded_from_the_cache(log_text: str, worker_ids: set[str], model: str
         assert ("compile" in built) == (int(fx_graph[1]) > 0), (built, use[-1])
         if "openvino" in built:
             assert any("openvino: read from the cache" in line for line in lines), lines[-20:]
+        # bf16's eager screen runs for the compile rung (the openvino rung's bf16 is its own)
         screens = [line for line in lines if "screen: bfloat16" in line]
-        assert len(screens) == int(autos_bf16_is_raced) and all(
+        assert len(screens) == int(autos_bf16_is_raced and "compile" in built) and all(
             "remembered from an earlier load, which this worker follows" in line for line in screens), screens
 
 
@@ -718,14 +719,16 @@ def accepted_attempt(optimization: dict) -> dict:
 
 def assert_compiled_once_in_fp32_where_bf16_loses_the_answers(optimization: dict) -> None:
     """NER and QA with a random head: bf16 moves their probabilities past the gate's 1e-2. On a CPU where auto
-    tries bf16 first, its eager screen fails and each racing rung runs once, in fp32; on others fp32 is all there
-    is. The faster serves; the other lost the race (or was not built: an earlier load's race said so), or serves the
-    small batches it is faster on."""
+    tries bf16 first, OpenVINO's bf16 (its own precision, not held to eager's screen) fails the gate, eager's screen
+    fails, and compile runs once, in fp32; on others fp32 is all there is. The faster serves; the other lost the
+    race (or was not built: an earlier load's race said so), or serves the small batches it is faster on."""
     # a rung not built (an earlier load's race said it would lose) has no precision: TorchServe drops null keys
     attempts = [(a["rung"], a.get("dtype"), a["status"]) for a in optimization["attempts"]]
     if "bfloat16" in optimization["precisions"]["tried_in_order"]:
-        assert attempts[0] == ("eager", "bfloat16", "failed"), attempts
-        attempts = attempts[1:]
+        failed = [attempt for attempt in attempts if attempt[1] == "bfloat16"]
+        assert ("eager", "bfloat16", "failed") in failed and all(status == "failed" for *_, status in failed), attempts
+        assert set(failed) <= {("eager", "bfloat16", "failed"), ("openvino", "bfloat16", "failed")}, attempts
+        attempts = [attempt for attempt in attempts if attempt not in failed]
     assert sorted(rung for rung, _, _ in attempts) == sorted(RACING), attempts
     assert {dtype for _, dtype, _ in attempts} - {None} == {"float32"}, attempts
     assert {rung: status for rung, _, status in attempts}[optimization["active"]] == "accepted", attempts

@@ -104,7 +104,6 @@ class ImageClassificationTask(Task):
         self.spec: ImageSpec = setup.settings.image
         self.labels = list(labels) if labels else None
         self.processor = processor  # a Hugging Face image processor, or None: the YAML's preprocessing
-        self.decode_ms = 0.0  # the last batch's decoding and preprocessing, summed over its images
 
     @classmethod
     def load(cls, setup: TaskSettings, device: torch.device) -> tuple[Task, torch.nn.Module]:
@@ -158,7 +157,7 @@ class ImageClassificationTask(Task):
         return decode_body(body)
 
     def parse(self, body: Any) -> ImageRequest:
-        started = time.perf_counter()
+        """Decoded and preprocessed here, request by request (Server-Timing's ``parse`` stage shows the cost)."""
         top_k, many = self.spec.top_k, False
         if isinstance(body, Mapping):
             unknown = sorted(str(key) for key in body if key not in ("data", "top_k"))
@@ -176,7 +175,6 @@ class ImageClassificationTask(Task):
                 raise InvalidInput(f"send 1 to {self.max_inputs} images per request, got {len(pictures)}")
             pixels = self._pixels([self._open(picture, f"image {index}" if many else "the image")
                                    for index, picture in enumerate(pictures)])
-        self.decode_ms += (time.perf_counter() - started) * 1000
         return ImageRequest(pixels, top_k, many or pixels.shape[0] > 1)
 
     def _open(self, picture: Any, where: str) -> Any:
