@@ -15,7 +15,8 @@ Forms, each timed at batch 1 and 8 (224 x 224 inputs):
 Variants alternate within each round so that drift on a shared machine hits all alike; the table gives the median of
 the rounds' medians, and the largest probability difference from eager fp32 on the same inputs. Decoding is timed on
 scikit-learn's sample photographs (640 x 427 JPEGs) and on one scaled to 4000 x 2667: PIL's decode, the resize to 256,
-the crop and the normalization (``handlers.tasks.images``), per image.
+the crop and the normalization (``handlers.tasks.images``), per image, in full and with ``jpeg_draft`` (decoded at a
+reduced DCT scale).
 
     .venv/bin/python -m benchmarks.vision [--rounds 5] [--iters 20] [--variants ...] [--weights PATH]
 """
@@ -151,13 +152,15 @@ def decode_costs(rounds: int) -> dict[str, float]:
     Image.open(photos[0]).resize((4000, 2667)).save(large, "JPEG", quality=90)
     costs = {}
     for name, data in (("640x427 JPEG", photos[0].read_bytes()), ("4000x2667 JPEG", large.getvalue())):
-        timings = []
-        for _ in range(rounds * 4):
-            started = time.perf_counter()
-            images.to_pixels(images.open_image(data, 10**8), ImageSpec())
-            timings.append((time.perf_counter() - started) * 1000)
-        costs[name] = statistics.median(timings)
-        log(f"decode + preprocess {name}: {costs[name]:.2f} ms per image")
+        for draft in (None, 256):
+            timings = []
+            for _ in range(rounds * 4):
+                started = time.perf_counter()
+                images.to_pixels(images.open_image(data, 10**8, draft=draft), ImageSpec())
+                timings.append((time.perf_counter() - started) * 1000)
+            label = f"{name}{', jpeg_draft' if draft else ''}"
+            costs[label] = statistics.median(timings)
+            log(f"decode + preprocess {label}: {costs[label]:.2f} ms per image")
     return costs
 
 

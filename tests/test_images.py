@@ -140,3 +140,14 @@ def test_synthetic_images_are_the_same_on_every_call():
     first, again = images.synthetic_images(3, 0), images.synthetic_images(3, 0)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, again, strict=True))
     assert not np.array_equal(np.asarray(first[0]), np.asarray(images.synthetic_images(1, 1)[0]))
+
+
+def test_jpeg_draft_decodes_a_large_photo_at_a_reduced_scale_that_still_covers_the_resize():
+    large = encoded(PHOTO.resize((2048, 1536)), "JPEG")
+    full = images.open_image(large, 10**8)
+    reduced = images.open_image(large, 10**8, draft=256)
+    assert full.size == (2048, 1536) and reduced.size == (512, 384)  # 1/4: the smallest scale whose sides stay >= 256
+    spec = ImageSpec()
+    assert (images.to_pixels(full, spec) - images.to_pixels(reduced, spec)).abs().mean() < 0.1
+    png = encoded(PHOTO, "PNG")  # other formats decode in full
+    assert images.open_image(png, 10**8, draft=16).size == (64, 48)

@@ -31,6 +31,7 @@ class ImageSpec:
     top_k: int = 5
     max_pixels: int = 40_000_000  # larger images are refused before they are decoded (decompression bombs)
     processor: bool = True  # a Hugging Face model: its image processor's settings, not these
+    jpeg_draft: bool = False  # JPEGs decoded at the smallest DCT scale that still covers the resize
 
 
 class ImageSection(Section):
@@ -54,6 +55,10 @@ class ImageSection(Section):
     max_pixels: PositiveInt = 40_000_000
     """Images with more pixels are refused (a 413-style 400 naming the size) before they are decoded: a small
     compressed file can hold a huge image."""
+    jpeg_draft: bool = False
+    """JPEGs are decoded at the smallest scale (1/2, 1/4 or 1/8, libjpeg's DCT scaling: PIL's draft mode) whose
+    shorter side still covers `resize`, before the resize: a large photo decodes several times faster (a 4000 x 2667
+    JPEG: `benchmarks.vision`), and the answers move slightly from a full-size decode's (TorchServe's)."""
     processor: bool = True
     """A Hugging Face model directory: preprocess with its image processor (`preprocessor_config.json`, PIL
     backend), as transformers' pipeline does; `false`: with the keys above. A `model.py` archive always uses the
@@ -69,4 +74,4 @@ class ImageSection(Section):
     def spec(self) -> ImageSpec:
         return ImageSpec(None if self.resize == "none" else self.resize, self.crop,
                          tuple(float(v) for v in self.mean), tuple(float(v) for v in self.std), self.interpolation,
-                         self.channel_order, self.top_k, self.max_pixels, self.processor)
+                         self.channel_order, self.top_k, self.max_pixels, self.processor, self.jpeg_draft)

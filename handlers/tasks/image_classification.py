@@ -178,7 +178,9 @@ class ImageClassificationTask(Task):
         return ImageRequest(pixels, top_k, many or pixels.shape[0] > 1)
 
     def _open(self, picture: Any, where: str) -> Any:
-        return images.open_image(images.image_bytes(picture, where), self.spec.max_pixels, where)
+        spec = self.spec
+        draft = spec.resize if spec.jpeg_draft and spec.resize and self.processor is None else None
+        return images.open_image(images.image_bytes(picture, where), spec.max_pixels, where, draft)
 
     def _pixels(self, pictures: Sequence[Any]) -> torch.Tensor:
         if self.processor is not None:

@@ -55,8 +55,9 @@ def image_bytes(value: object, where: str = "the image") -> bytes:
                            "base64-encoded") from None
 
 
-def open_image(data: bytes, max_pixels: int, where: str = "the image") -> Image.Image:
-    """The decoded image in RGB, EXIF-rotated; InvalidInput naming what is wrong with it."""
+def open_image(data: bytes, max_pixels: int, where: str = "the image", draft: int | None = None) -> Image.Image:
+    """The decoded image in RGB, EXIF-rotated; InvalidInput naming what is wrong with it. ``draft``: a JPEG is decoded
+    at the smallest DCT scale whose sides are still at least this."""
     if not data:
         raise InvalidInput(f"{where} is empty (0 bytes)")
     try:
@@ -72,6 +73,8 @@ def open_image(data: bytes, max_pixels: int, where: str = "the image") -> Image.
     if width * height > max_pixels:
         raise InvalidInput(f"{where} is {width}x{height} = {width * height:,} pixels; at most {max_pixels:,} "
                            "(pt2_handlers.image.max_pixels)")
+    if draft is not None and image.format == "JPEG":
+        image.draft("RGB", (draft, draft))
     try:
         image.load()
         image = ImageOps.exif_transpose(image)
