@@ -334,14 +334,17 @@ def stop(run_dir: Path, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def usage_hint(server: Server, name: str) -> str:
+def usage_hint(server: Server, name: str, task: str | None = None) -> str:
+    """How to call ``name`` with curl: a text, or for an image classifier a picture's bytes (``task``)."""
     key = f"$(python3 -c 'import json;print(json.load(open(\"{server.key_file}\"))[\"inference\"][\"key\"])')"
     mkey = key.replace('"inference"', '"management"')
     run_dir = "" if server.run_dir == DEFAULT_RUN_DIR.resolve() else f" --run-dir {shlex.quote(str(server.run_dir))}"
+    body = ("-T photo.jpg" if task == "image-classification" else
+            "-H 'Content-Type: application/json' -d '{\"text\": \"hello world\"}'")
     return "\n".join([
         "Call it (the keys stay in the key file; these commands read them):",
         f'  curl -s -H "Authorization: Bearer {key}" \\',
-        "       -H 'Content-Type: application/json' -d '{\"text\": \"hello world\"}' \\",
+        f"       {body} \\",
         f"       {server.inference_url}/predictions/{name}",
         f'  curl -s -H "Authorization: Bearer {mkey}" "{server.management_url}/models/{name}?customized=true"',
         f"Stop it: python -m handlers stop{run_dir}",
@@ -384,8 +387,18 @@ def run_start(args: argparse.Namespace) -> int:
     server = start(args.server_config.resolve(), args.model_store.resolve(), args.models, args.run_dir.resolve(),
                    args.timeout)
     for model in args.models:
-        print(usage_hint(server, model.split("=", 1)[0]))
+        name = model.split("=", 1)[0]
+        print(usage_hint(server, name, served_task(server, name)))
     return 0
+
+
+def served_task(server: Server, name: str) -> str | None:
+    """The model's task, as its worker describes it; None where it does not say."""
+    status, raw = server.management("GET", f"/models/{name}?customized=true")
+    try:
+        return json.loads(raw)[0]["customizedMetadata"]["task"] if status == 200 else None
+    except (ValueError, LookupError, TypeError):
+        return None
 
 
 def run_stop(args: argparse.Namespace) -> int:
