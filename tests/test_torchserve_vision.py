@@ -38,6 +38,24 @@ def post(server, body: bytes, content_type: str) -> tuple[int, object]:
     return status, json.loads(raw)
 
 
+def put_as_curl_t(server, data: bytes) -> tuple[int, object]:
+    """``curl -T photo.jpg URL``: a PUT of the file's bytes with no Content-Type (urllib would add a form's)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(f"{server.inference_url}/predictions/{MODEL}")
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        connection.putrequest("PUT", url.path)
+        connection.putheader("Authorization", f"Bearer {server.key('inference')}")
+        connection.putheader("Content-Length", str(len(data)))
+        connection.endheaders(data)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
 def multipart(field: str, data: bytes) -> tuple[bytes, str]:
     boundary = "pt2handlersboundary"
     body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"photo.jpg\"\r\n"
@@ -51,6 +69,7 @@ def test_every_way_to_send_an_image_gets_the_same_answer(server):
     status, want = post(server, photo, "image/jpeg")  # curl -T photo.jpg / --data-binary @photo.jpg
     assert status == 200 and list(want)[0] == "palace" and len(want) == 5, want
     answers = [
+        put_as_curl_t(server, photo),
         post(server, photo, "application/octet-stream"),
         post(server, *multipart("data", photo)),  # curl -F data=@photo.jpg
         post(server, text.encode(), "text/plain"),
