@@ -8,6 +8,7 @@ Pure Python; no TorchServe import.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,24 +31,38 @@ class Requests:
 
     def parse(self, bodies: Sequence[Any], answers: list[Any], v2: V2Pending) -> dict[int, Any]:
         """Each body read on its own (body index -> request); a failure becomes that body's answer. v2 bodies are
-        noted in ``v2`` (None where the v2 body itself is invalid)."""
+        noted in ``v2`` (None where the v2 body itself is invalid). A task whose parsing is heavy and lets go of the
+        GIL (``Task.parse_threads``: images, decoded and resized by PIL) reads a batch's bodies on that many threads."""
         parsed: dict[int, Any] = {}
-        for index, body in enumerate(bodies):
-            try:
-                body = self.task.decode(body)
-                if open_inference.is_request(body):
-                    v2[index] = None
-                    request = open_inference.parse_request(body, numeric=self.task.reads_tensors)
-                    body = self.task.from_open_inference(request)
-                    v2[index] = (request, body)
-                parsed[index] = self.task.parse(body)
-            except HandlerError as exc:
-                answers[index] = exc
-            except BaseException as exc:  # a bug reading one request must not fail its neighbours
-                if not isinstance(exc, Exception) and not native_panic(exc):
-                    raise
-                answers[index] = failed(exc, "parse")
+        threads = min(self.task.parse_threads(), len(bodies))
+        if threads > 1:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="parse") as pool:
+                read = list(pool.map(lambda item: self._read(*item, v2), enumerate(bodies)))
+        else:
+            read = [self._read(index, body, v2) for index, body in enumerate(bodies)]
+        for index, (request, error) in enumerate(read):
+            if error is None:
+                parsed[index] = request
+            else:
+                answers[index] = error
         return parsed
+
+    def _read(self, index: int, body: Any, v2: V2Pending) -> tuple[Any, Any]:
+        """One body: (its request, None), or (None, the error it is answered with)."""
+        try:
+            body = self.task.decode(body)
+            if open_inference.is_request(body):
+                v2[index] = None
+                request = open_inference.parse_request(body, numeric=self.task.reads_tensors)
+                body = self.task.from_open_inference(request)
+                v2[index] = (request, body)
+            return self.task.parse(body), None
+        except HandlerError as exc:
+            return None, exc
+        except BaseException as exc:  # a bug reading one request must not fail its neighbours
+            if not isinstance(exc, Exception) and not native_panic(exc):
+                raise
+            return None, failed(exc, "parse")
 
     def preprocess(self, parsed: dict[int, Any], answers: list[Any]) -> Any:
         """The parsed requests collated into one batch. If collating fails, each request is tried alone: the ones

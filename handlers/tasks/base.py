@@ -151,6 +151,11 @@ class Task(ABC):
         at ``max_length``)."""
         return replace(shapes, seq_lengths=(1,))
 
+    def parse_threads(self) -> int:
+        """How many threads read a batch's bodies (``decode`` and ``parse``): 1, unless parsing is heavy and lets go
+        of the GIL (image decoding)."""
+        return 1
+
     def decode(self, body: Any) -> Any:
         """One body as TorchServe hands it over (JSON, text or bytes) made text or JSON (``decode_body``); a task that
         reads binary bodies (images) keeps them as bytes."""
