@@ -28,6 +28,7 @@ class Requests:
         self.task = task
         self.model_name = model_name
         self.model_version = model_version
+        self._pool: ThreadPoolExecutor | None = None  # reads a batch's bodies where the task parses on threads
 
     def parse(self, bodies: Sequence[Any], answers: list[Any], v2: V2Pending) -> dict[int, Any]:
         """Each body read on its own (body index -> request); a failure becomes that body's answer. v2 bodies are
@@ -36,8 +37,9 @@ class Requests:
         parsed: dict[int, Any] = {}
         threads = min(self.task.parse_threads(), len(bodies))
         if threads > 1:
-            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="parse") as pool:
-                read = list(pool.map(lambda item: self._read(*item, v2), enumerate(bodies)))
+            if self._pool is None:  # made once: a batch would otherwise start its threads anew
+                self._pool = ThreadPoolExecutor(max_workers=self.task.parse_threads(), thread_name_prefix="parse")
+            read = list(self._pool.map(lambda item: self._read(*item, v2), enumerate(bodies)))
         else:
             read = [self._read(index, body, v2) for index, body in enumerate(bodies)]
         for index, (request, error) in enumerate(read):

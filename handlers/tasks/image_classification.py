@@ -20,6 +20,7 @@ The ladder optimizes the model with its softmax, so the gate judges the probabil
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -172,7 +173,7 @@ class ImageClassificationTask(Task):
             top_k = _top_k(body.get("top_k", top_k))
             body = body["data"]
             many = isinstance(body, list) and all(isinstance(item, str) for item in body)
-        if isinstance(body, list) and not many:
+        if isinstance(body, (list, torch.Tensor)) and not many:
             pixels = self._tensor(body)
         else:
             pictures = body if many else [body]
@@ -196,7 +197,7 @@ class ImageClassificationTask(Task):
         """A preprocessed image (or images) sent as nested lists: ``[3, crop, crop]`` or ``[n, 3, crop, crop]``."""
         want = list(self.input_shape())
         try:
-            tensor = torch.tensor(values, dtype=torch.float32)
+            tensor = values.float() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float32)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
             raise InvalidInput(f"a preprocessed image must be nested lists of numbers {want}: "
                                f"{str(exc).splitlines()[0][:200]}") from None
@@ -206,10 +207,14 @@ class ImageClassificationTask(Task):
                                f"up to {self.max_inputs}), got {list(tensor.shape)}")
         return tensor
 
-    def input_shape(self) -> tuple[int, int, int]:
-        if self.processor is not None:
+    @functools.cached_property
+    def _input_shape(self) -> tuple[int, ...]:
+        if self.processor is not None:  # what the image processor makes of a picture, asked once
             return tuple(self._pixels(images.synthetic_images(1, 0)).shape[1:])
         return 3, self.spec.crop, self.spec.crop
+
+    def input_shape(self) -> tuple[int, ...]:
+        return self._input_shape
 
     def preprocess(self, requests: Sequence[ImageRequest]) -> Encoded:
         return Encoded({INPUT: torch.cat([request.pixels for request in requests])})
@@ -256,9 +261,9 @@ class ImageClassificationTask(Task):
             from PIL import Image
 
             pixels = self._pixels([Image.fromarray(row.numpy(), "RGB") for row in rows])
-            return {**body, "data": pixels.tolist()}
+            return {**body, "data": pixels}
         if datatype in ("FP32", "FP16", "FP64"):
-            return {**body, "data": torch.tensor(values, dtype=torch.float32).reshape(shape).tolist()}
+            return {**body, "data": torch.tensor(values, dtype=torch.float32).reshape(shape)}
         raise InvalidInput(f'input "{name}" is {datatype} {shape}: send BYTES (base64 images), UINT8 [h, w, 3] '
                            f"pixels, or FP32 [n, {', '.join(map(str, self.input_shape()))}] preprocessed")
 
