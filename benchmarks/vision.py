@@ -1,14 +1,20 @@
-"""Image classification, model only: MobileNetV2 with its ImageNet weights in each form the ladder can serve, side by
-side in one run, and what decoding and preprocessing cost per image.
+"""Image classification, model only: an image classifier (``--network``: MobileNetV2 with its ImageNet weights, or
+ResNet-50 with random ones, benchmarks/vision_networks.py) in each form the ladder can serve and beside other
+runtimes, side by side in one run, and what decoding and preprocessing cost per image.
 
 Forms, each timed at batch 1 and 8 (224 x 224 inputs):
 
 * ``eager-fp32`` and ``eager-fp32-channels_last``: the model as loaded, and with its weights and inputs in
   channels_last (the memory format oneDNN's convolutions prefer on CPU);
 * ``compile-fp32`` and ``compile-fp32-channels_last``: ``torch.compile`` (inductor, default mode), static shapes;
+* ``compile-bf16-channels_last``: the same in bf16 (where the CPU has bf16 dot products);
 * ``openvino-f32`` and ``openvino-bf16``: the module exported and compiled by OpenVINO as the openvino rung does
   (``handlers.rungs.openvino``), at ``INFERENCE_PRECISION_HINT`` f32 and bf16 (bf16 only where the CPU has bf16 dot
   products);
+* ``openvino-int8``: that IR quantized by NNCF (``nncf.quantize``: static int8, calibrated on 32 synthetic images),
+  the rest at the bf16 hint where the CPU has bf16 dot products (needs nncf: the bench extra, not the product);
+* ``onnxruntime-fp32``: the module exported by ``torch.onnx.export(dynamo=True)`` with a dynamic batch, run by ONNX
+  Runtime's CPU provider (needs onnxruntime);
 * ``served``: what the Engine serves from ``model_configs/mobilenet-image-classification.yaml`` (its ladder, gate and
   shape policy), softmax included.
 
@@ -18,7 +24,7 @@ scikit-learn's sample photographs (640 x 427 JPEGs) and on one scaled to 4000 x 
 the crop and the normalization (``handlers.tasks.images``), per image, in full and with ``jpeg_draft`` (decoded at a
 reduced DCT scale).
 
-    .venv/bin/python -m benchmarks.vision [--rounds 5] [--iters 20] [--variants ...] [--weights PATH]
+    .venv/bin/python -m benchmarks.vision [--network mobilenet_v2|resnet50] [--rounds 5] [--iters 20] [--variants ...]
 """
 
 from __future__ import annotations
@@ -27,47 +33,46 @@ import argparse
 import copy
 import io
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (DEFAULT_OUT, REPO, log, markdown_table, run_header, write_csv, write_json,
-                                write_plot)
+from benchmarks.harness import DEFAULT_OUT, log, markdown_table, run_header, write_csv, write_json, write_plot
+from benchmarks.vision_networks import LABELS, NETWORKS, SHIPPED, Network
 
-EXAMPLE = REPO / "docs" / "examples" / "mobilenet_v2"
-SHIPPED = REPO / "model_configs" / "mobilenet-image-classification.yaml"
-VARIANTS = ("eager-fp32", "eager-fp32-channels_last", "compile-fp32", "compile-fp32-channels_last", "openvino-f32",
-            "openvino-bf16", "served")
+VARIANTS = ("eager-fp32", "eager-fp32-channels_last", "compile-fp32", "compile-fp32-channels_last",
+            "compile-bf16-channels_last", "openvino-f32", "openvino-bf16", "openvino-int8", "onnxruntime-fp32",
+            "served")
 BATCHES = (1, 8)
 
 
-def weights_path(given: Path | None) -> Path:
-    if given:
-        return given
-    found = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--mobilenet-weights"], cwd=REPO,
-                           check=True, capture_output=True, text=True).stdout.strip()
-    return Path(found)
-
-
-def load_model(weights: Path) -> Any:
+def load_model(network: Network, weights: Path) -> Any:
     import torch
 
     from handlers.models.state_dict import module_class, read_state_dict
 
-    model = module_class(EXAMPLE / "model.py")()
+    model = module_class(network.model_file)()
     model.load_state_dict(read_state_dict(weights))
     return model.eval().requires_grad_(False), torch
 
 
-def inputs(batch: int) -> Any:
+def has_bf16() -> bool:
+    import torch
+
+    from handlers.config import DType
+    from handlers.precision import choice
+
+    return DType.BFLOAT16 in choice.resolve_precisions((DType.AUTO,), torch.device("cpu")).value
+
+
+def inputs(batch: int, seed: int = 3) -> Any:
     import torch
 
     from handlers.config.image import ImageSpec
     from handlers.tasks import images
 
-    pictures = images.synthetic_images(batch, seed=3)
+    pictures = images.synthetic_images(batch, seed=seed)
     return torch.stack([images.to_pixels(picture, ImageSpec()) for picture in pictures])
 
 
@@ -76,6 +81,9 @@ def build(variant: str, model: Any, batch: int, root: Path) -> Callable[[Any], A
     machine cannot run it."""
     import torch
 
+    if "bf16" in variant and not has_bf16():
+        log(f"{variant}: no bf16 dot products on this CPU, left out")
+        return None
     if variant.startswith("eager") or variant.startswith("compile"):
         channels_last = variant.endswith("channels_last")
         module = copy.deepcopy(model)
@@ -84,9 +92,18 @@ def build(variant: str, model: Any, batch: int, root: Path) -> Callable[[Any], A
         if variant.startswith("compile"):
             module = torch.compile(module, dynamic=False)
         layout = torch.channels_last if channels_last else torch.contiguous_format
-        return lambda pixels: module(pixels.contiguous(memory_format=layout))
+        half = torch.autocast("cpu", torch.bfloat16, enabled="bf16" in variant)
+
+        def forward(pixels: Any) -> Any:
+            with half:
+                return module(pixels.contiguous(memory_format=layout))
+        return forward
+    if variant == "openvino-int8":
+        return _openvino_int8(model)
     if variant.startswith("openvino"):
         return _openvino(variant, model, batch)
+    if variant == "onnxruntime-fp32":
+        return _onnxruntime(model)
     return _served(root)
 
 
@@ -94,18 +111,55 @@ def _openvino(variant: str, model: Any, batch: int) -> Callable[[Any], Any] | No
     import torch
 
     from handlers.config import DType
-    from handlers.precision import choice
     from handlers.rungs.openvino import OpenVinoRung
 
     dtype = DType.BFLOAT16 if variant.endswith("bf16") else DType.FLOAT32
-    if dtype is DType.BFLOAT16 and DType.BFLOAT16 not in choice.resolve_precisions(
-            (DType.AUTO,), torch.device("cpu")).value:
-        log(f"{variant}: no bf16 dot products on this CPU, left out")
-        return None
     rung = OpenVinoRung(torch.device("cpu"))
     rung.prepare([{"x": inputs(size)} for size in (1, max(BATCHES))])
     forward = rung.apply(_Keyword(model), dtype)
     return lambda pixels: forward(x=pixels)
+
+
+def _openvino_int8(model: Any) -> Callable[[Any], Any] | None:
+    """NNCF's post-training static int8 of the IR the openvino rung converts (calibrated on seeded images)."""
+    import openvino
+    import torch
+
+    from handlers.rungs.openvino import export
+    try:
+        import nncf
+    except ImportError as exc:
+        log(f"openvino-int8: nncf does not import ({exc}); install the bench extra. Left out")
+        return None
+    started = time.perf_counter()
+    ir = openvino.convert_model(export(_Keyword(model), {"x": inputs(8)}, {"x": (2, 3)}))
+    calibration = inputs(32, seed=21)
+    quantized = nncf.quantize(ir, nncf.Dataset([calibration[i:i + 1].numpy() for i in range(len(calibration))]),
+                              subset_size=len(calibration))
+    log(f"openvino-int8: NNCF quantized the IR in {time.perf_counter() - started:.1f}s")
+    compiled = openvino.Core().compile_model(quantized, "CPU", {
+        "INFERENCE_PRECISION_HINT": "bf16" if has_bf16() else "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+        "PERFORMANCE_HINT": "LATENCY"})
+    return lambda pixels: torch.from_numpy(compiled(pixels.numpy())[0].copy())
+
+
+def _onnxruntime(model: Any) -> Callable[[Any], Any] | None:
+    import tempfile
+
+    import torch
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        log(f"onnxruntime-fp32: onnxruntime does not import ({exc}); install the bench extra. Left out")
+        return None
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="bench-onnx-") as tmp:
+        path = Path(tmp) / "classifier.onnx"
+        torch.onnx.export(model, (inputs(2),), str(path), dynamo=True, input_names=["pixels"], output_names=["logits"],
+                          dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},), verbose=False)
+        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return lambda pixels: torch.from_numpy(session.run(["logits"], {"pixels": pixels.numpy()})[0])
 
 
 class _Keyword:
@@ -129,7 +183,7 @@ def _served(root: Path) -> Callable[[Any], Any]:
     from handlers.models.files import ModelFiles
     from handlers.serving.engine import Engine
 
-    engine = Engine(load_config(yaml.safe_load(SHIPPED.read_text())), root, torch.device("cpu"), "mobilenet",
+    engine = Engine(load_config(yaml.safe_load(SHIPPED.read_text())), root, torch.device("cpu"), "classifier",
                     files=ModelFiles("model.py", "model.pth"))
     engine.load()
     optimization = engine.describe()["optimization"]
@@ -182,17 +236,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--weights", type=Path, help="mobilenet_v2-b0353104.pth (default: scripts/setup.sh fetches it)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "vision")
+    parser.add_argument("--network", choices=NETWORKS, default="mobilenet_v2")
+    parser.add_argument("--weights", type=Path, help="the network's state_dict (default: vision_networks' own)")
+    parser.add_argument("--out", type=Path, default=None, help="default: .bench/vision-<network>")
     args = parser.parse_args(argv)
     import tempfile
 
     header = run_header(args)
-    weights = weights_path(args.weights)
-    model, torch = load_model(weights)
+    network = NETWORKS[args.network]
+    args.out = args.out or DEFAULT_OUT / f"vision-{network.name}"
     root = Path(tempfile.mkdtemp(prefix="bench-vision-"))
-    for name in ("model.py", "index_to_name.json"):
-        (root / name).write_bytes((EXAMPLE / name).read_bytes())
+    weights = network.weights(root, args.weights)
+    model, torch = load_model(network, weights)
+    (root / "model.py").write_bytes(network.model_file.read_bytes())
+    (root / "index_to_name.json").write_bytes(LABELS.read_bytes())
     (root / "model.pth").write_bytes(weights.read_bytes())
     costs = decode_costs(args.rounds)
     batches = {batch: inputs(batch) for batch in BATCHES}
@@ -243,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print("decode + preprocess per image: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in costs.items()))
     (args.out / "vision.md").write_text(table + "\n")
-    write_plot(args.out / "vision.png", "MobileNetV2, model only (ms, lower is better)", [str(b) for b in BATCHES],
+    write_plot(args.out / "vision.png", f"{network.title}, model only (ms, lower is better)", [str(b) for b in BATCHES],
                [("ms", {variant: [next((r["ms"] for r in rows if r["variant"] == variant and r["batch"] == b), 0.0)
                                   for b in BATCHES] for variant in dict.fromkeys(r["variant"] for r in rows)})])
     return 0
