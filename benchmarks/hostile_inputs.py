@@ -3,6 +3,8 @@
 All the cases and a few good requests go out at the same moment, so TorchServe batches bad requests with good ones.
 Each case must get its own 4xx status and a JSON error that names the problem. One exception: a body over the
 server's ``max_request_size`` gets TorchServe's bare 413, because the frontend refuses it before any worker sees it.
+An image classifier gets bad images instead (benchmarks/hostile_images.py): not an image, truncated, empty, not
+base64, a decompression bomb; and odd modes (CMYK, 16-bit, palette, alpha, EXIF rotation) that must be answered.
 Each good neighbour must get the answer it gets when sent alone, the worker must still be the same process, and a
 good request afterwards must get the same answer as before.
 
@@ -15,6 +17,7 @@ The integration tests run ``check`` against every task's archive (tests/test_tor
 from __future__ import annotations
 
 import argparse
+import base64
 import http.client
 import json
 import math
@@ -27,9 +30,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from benchmarks import hostile_images
 from handlers.serving import server as torchserve
 
 DEFAULT_MAX_REQUEST_SIZE = 6553500  # TorchServe's, when config.properties does not set max_request_size
+IMAGE_TASK = "image-classification"
+GOOD_TEXTS = ("Where does the fox live?", "The weather in Paris is mild today.", "Once upon a time")
 QA_CONTEXT = "The quick brown fox lives in Paris and jumps over the lazy dog every morning."
 
 
@@ -103,6 +109,8 @@ TASKS = {
 
 def cases(task: str, inputs: dict[str, Any], max_request_size: int) -> list[Case]:
     """Every hostile case for ``task``, given its describe ``inputs`` (limits) and the server's request limit."""
+    if task == IMAGE_TASK:
+        return image_cases(inputs, max_request_size)
     spec = TASKS[task]
     max_length = inputs["max_length"]
 
@@ -159,6 +167,26 @@ def cases(task: str, inputs: dict[str, Any], max_request_size: int) -> list[Case
                               {"question": question, "context": " ".join(["word"] * 2 * window)}, 400,
                               "not more than the stride"))
     return result
+
+
+def image_cases(inputs: dict[str, Any], max_request_size: int) -> list[Case]:
+    """An image classifier's: bad images each a 400 naming the problem, odd modes and rotation answered."""
+    bad = [Case(kind, body, content_type, status, says)
+           for kind, body, content_type, status, says in hostile_images.bad(max_request_size,
+                                                                            inputs["max_per_request"])]
+    return bad + [Case(kind, body, content_type, 200, None) for kind, body, content_type in
+                  hostile_images.odd_but_good()] + [
+        Case("a path under the model's URL it does not serve", hostile_images.good_photos(1)[0], "image/jpeg", 404,
+             "serves nothing at 'v1/chat/completions'", path="v1/chat/completions")]
+
+
+def good_requests(task: str) -> list[Request]:
+    """The good requests sent alone, then beside the cases (an image's top 1 only: a near tie further down may swap
+    places when a half precision runs it in another batch)."""
+    if task == IMAGE_TASK:
+        return [(json.dumps({"data": base64.b64encode(photo).decode(), "top_k": 1}).encode(), "application/json", "")
+                for photo in hostile_images.good_photos()]
+    return [(json.dumps(TASKS[task].good(text)).encode(), "application/json", "") for text in GOOD_TEXTS]
 
 
 @dataclass
@@ -262,8 +290,6 @@ def at_once(server: torchserve.Server, model: str, requests: list[Request]) -> l
     return results
 
 
-GOOD_TEXTS = ("Where does the fox live?", "The weather in Paris is mild today.", "Once upon a time")
-
 
 def check(server: torchserve.Server, model: str, max_request_size: int = DEFAULT_MAX_REQUEST_SIZE) -> dict[str, Any]:
     """Run every case against ``model`` with good neighbours. Returns the outcomes and the problems found
@@ -271,8 +297,7 @@ def check(server: torchserve.Server, model: str, max_request_size: int = DEFAULT
     before = describe(server, model)
     meta = before["customizedMetadata"]
     task = meta["task"]
-    spec = TASKS[task]
-    goods = [(json.dumps(spec.good(text)).encode(), "application/json", "") for text in GOOD_TEXTS]
+    goods = good_requests(task)
     alone = [send(server, model, *good) for good in goods]
     problems = [f"good request {i} alone: {status} {raw[:200]!r}" for i, (status, raw) in enumerate(alone)
                 if status != 200]

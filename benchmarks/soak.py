@@ -1,10 +1,10 @@
-"""A bounded soak through a running TorchServe: many requests at high concurrency, texts of mixed lengths, and
-a sprinkle of bad requests among them.
+"""A bounded soak through a running TorchServe: many requests at high concurrency, texts of mixed lengths (an image
+classifier: photographs of mixed sizes), and a sprinkle of bad requests (bad images) among them.
 
 It passes (exit 0) when all of these hold:
 - every good request got a 200 and every bad one its 4xx;
-- a sample of the answers equals fp32 eager. The reference is the archive's own model and YAML, loaded here on
-  the eager rung;
+- a sample of the answers equals fp32 eager (an image's most likely label the same, its probability within the
+  gate's bound). The reference is the archive's own model and YAML, loaded here on the eager rung;
 - after warmup, the worker's RSS grew by less than --max-rss-growth, and its open files and threads did not grow.
 Progress prints every 10%. The report gives RSS after warmup, at the halfway request, at the end and at its peak:
 growth in the second half says whether it still grows or has levelled off. With --out it writes a CSV of the
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import hostile_inputs
+from benchmarks import hostile_images, hostile_inputs
+from handlers.config.task_facts import IMAGE_GATE
 from handlers.serving import server as torchserve
 
 WORDS = ("serving compile graph kernel batch token model worker cache tensor queue latency python torch inference "
@@ -101,13 +102,39 @@ def reference_engine(archive: Path, work: Path) -> Any:
     settings.pop("compile_cache", None)
     import torch
 
-    engine = Engine(load_config(raw), work, torch.device("cpu"), "reference")
+    from handlers.models.files import ModelFiles
+
+    model = manifest["model"]  # a model.py + state_dict, or an exported program, where the archive packs one
+    files = ModelFiles(model.get("modelFile") or None, model.get("serializedFile") or None)
+    engine = Engine(load_config(raw), work, torch.device("cpu"), "reference", files=files)
     engine.load()
     return engine
 
 
 def mixed_texts(count: int, rng: random.Random, words: tuple[int, int] = (3, 96)) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) for _ in range(count)]
+
+
+def good_bodies(task: str, count: int, rng: random.Random) -> list[tuple[bytes, str]]:
+    """(body, Content-Type) of ``count`` good requests: texts of mixed lengths, or JPEG photographs' stand-ins of
+    mixed sizes sent as raw bytes (as ``curl -T`` sends them)."""
+    if task == hostile_inputs.IMAGE_TASK:
+        photos = hostile_images.good_photos(12)
+        return [(photos[rng.randrange(len(photos))], "image/jpeg") for _ in range(count)]
+    spec = hostile_inputs.TASKS[task]
+    return [(json.dumps(spec.good(text)).encode(), "application/json") for text in mixed_texts(count, rng)]
+
+
+def same_answer(task: str, dtype: str, got: Any, want: Any) -> bool:
+    """A served answer against fp32 eager's: within the quality gate's bound for the served precision."""
+    if task == hostile_inputs.IMAGE_TASK:  # the image gate: the same most likely label, probabilities within its bound
+        bound = IMAGE_GATE.defaults[0 if dtype == "float32" else 1]
+        (label, score), (want_label, want_score) = next(iter(got.items())), next(iter(want.items()))
+        # a near tie may swap the top two in a half precision (bf16 can round both to one value): the label served
+        # must then be as likely, within the bound, by fp32 eager's own probabilities
+        return abs(score - want_score) <= bound and (
+            label == want_label or (label in want and want_score - want[label] <= bound))
+    return hostile_inputs.close(got, want, 1e-3 if dtype == "float32" else 2e-2)
 
 
 def bad_cases(task: str, inputs: dict[str, Any]) -> list[hostile_inputs.Case]:
@@ -122,21 +149,23 @@ def soak(server: torchserve.Server, model: str, archive: Path, requests: int = 5
     """Run the soak; returns the figures and ``problems`` (empty: passed). ``idle_after``: seconds the worker is
     still sampled once the last answer is in (its end RSS is the last of those samples)."""
     meta = hostile_inputs.describe(server, model)
-    task, spec = meta["customizedMetadata"]["task"], hostile_inputs.TASKS[meta["customizedMetadata"]["task"]]
+    task = meta["customizedMetadata"]["task"]
     dtype = meta["customizedMetadata"]["optimization"]["dtype"]
     pid = meta["workers"][0]["pid"]
     rng = random.Random(seed)
     bad = bad_cases(task, meta["customizedMetadata"]["inputs"])
     # body, content type, the path after /predictions/<model> ("" for none), expected status
     plan: list[tuple[bytes, str | None, str, int]] = []
-    for index, text in enumerate(mixed_texts(requests, rng)):
+    for index, (body, content_type) in enumerate(good_bodies(task, requests, rng)):
         if index % bad_every == bad_every - 1:
             case = bad[index // bad_every % len(bad)]
             plan.append((case.body, case.content_type, case.after_model(meta["modelVersion"]), case.status))
         else:
-            plan.append((json.dumps(spec.good(text)).encode(), "application/json", "", 200))
-    for body, content_type, path, _ in plan[:warmup]:  # warmup: allocator pools and caches settle
-        hostile_inputs.send(server, model, body, content_type, path)
+            plan.append((body, content_type, "", 200))
+    # warmup at the soak's concurrency, so that batches of every size form: allocator pools, caches and what a worker
+    # starts at its first full batch (the threads an image batch is decoded on) settle before the first sample
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda request: hostile_inputs.send(server, model, *request[:3]), plan[:warmup]))
     progress(f"[soak] {model} ({task}, {dtype}, worker pid {pid}): {len(plan)} requests at concurrency "
              f"{concurrency}, 1 in {bad_every} bad, after {warmup} warmup requests")
     answers: list[hostile_inputs.Answer | None] = [None] * len(plan)
@@ -157,7 +186,7 @@ def soak(server: torchserve.Server, model: str, archive: Path, requests: int = 5
     seconds = time.monotonic() - started
     time.sleep(idle_after)  # samples once idle
     samples = sampler.stop()
-    report = judge(archive, plan, answers, samples, dtype, sample_every, max_rss_growth, progress)
+    report = judge(archive, plan, answers, samples, (task, dtype), sample_every, max_rss_growth, progress)
     workers = hostile_inputs.describe(server, model)["workers"]
     if [(w["pid"], w["status"]) for w in workers] != [(pid, "READY")]:
         report["problems"].append(f"the worker changed: pid {pid} -> {workers}")
@@ -165,8 +194,9 @@ def soak(server: torchserve.Server, model: str, archive: Path, requests: int = 5
             "requests_per_s": round(len(plan) / seconds, 1), **report}
 
 
-def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample], dtype: str, sample_every: int,
-          max_rss_growth: float, progress: Callable[[str], None]) -> dict[str, Any]:
+def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample], served: tuple[str, str],
+          sample_every: int, max_rss_growth: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    """``served``: the task and the precision it served in."""
     problems = []
     wrong_status = [(i, answers[i][0], answers[i][1][:120]) for i, (*_, want) in enumerate(plan)
                     if answers[i] is None or answers[i][0] != want]
@@ -177,12 +207,13 @@ def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample]
     progress(f"[soak] checking {len(checked)} sampled answers against fp32 eager")
     with tempfile.TemporaryDirectory() as work:
         engine = reference_engine(archive, Path(work))
-        tolerance = 1e-3 if dtype == "float32" else 2e-2
         for start in range(0, len(checked), 8):
             chunk = checked[start:start + 8]
-            want = engine.predict([json.loads(plan[i][0]) for i in chunk])
-            problems += [f"request {i}: answer differs from fp32 eager" for i, ref in zip(chunk, want, strict=True)
-                         if not hostile_inputs.close(json.loads(answers[i][1]), ref, tolerance)]
+            want = engine.predict([plan[i][0] if plan[i][1] != "application/json" else json.loads(plan[i][0])
+                                   for i in chunk])
+            problems += [f"request {i}: answer {answers[i][1][:120]!r} differs from fp32 eager's {ref}"
+                         for i, ref in zip(chunk, want, strict=True)
+                         if not same_answer(*served, json.loads(answers[i][1]), ref)]
     base, end = samples[0], samples[-1]
     halfway = next(s for s in samples if s.requests >= len(plan) // 2 or s is end)
     rss_growth = (end.rss_mb - base.rss_mb) / base.rss_mb

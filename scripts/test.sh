@@ -5,11 +5,12 @@
 #      wheel beside torch 2.13
 #   2. ipex (.venv-ipex: torch 2.8 + IPEX 2.8): the suite but the default_profile tests, plus the IPEX rung for real,
 #      and the ipex_stage tests (run there, not in stage 1, to even out the two stages).
-#      It runs beside stage 1, in the background: its venv is built first, then its tests run (output in
-#      .cache/test-ipex.log, shown when stage 1 is done)
+#      It runs beside stage 1, in the background: its venv is built first, then its tests run, then (on an AVX-512
+#      CPU) stage 1's precision tests with the kernels held to AVX2 (output in .cache/test-ipex.log, shown when stage
+#      1 is done)
 # Each archive is built once and served in both. Arguments go to both pytest runs.
-# PT2_PROFILES=default runs stage 1 only (a quick local loop); CI runs both. On an AVX-512 CPU stage 1 ends with the
-# precision tests as an AVX2-only CPU runs them (below).
+# PT2_PROFILES=default runs stage 1 only (a quick local loop); CI runs both. On an AVX-512 CPU the precision tests run
+# once more as an AVX2-only CPU runs them (below): after stage 2, or after stage 1 where it runs alone.
 # PT2_TEST_ISA=avx2 holds torch's and oneDNN's kernels to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), so an
 # AVX-512 machine runs the suite as an AVX2-only CPU does: auto serves fp32, int8 is refused, inductor emits AVX2.
 set -euo pipefail
@@ -54,6 +55,25 @@ stage() {  # profile venv inductor-cache [pytest args]
     "$venv/bin/python" -m pytest "$@"
 }
 
+# On an AVX-512 machine, the precision tests once more as an AVX2-only CPU runs them (about two minutes): the other
+# kind of machine here, whose int8 and dtype paths differ. On an AVX2 machine the default stage already is that run.
+# They run in the ipex stage's background job once its own tests are done (stage 1 ends last), else after stage 1.
+default_venv_ready=.cache/default-venv-ready
+rm -f "$default_venv_ready"
+avx2_stage_wanted() {
+  [[ " $PROFILES " == *" default "* && -z ${PT2_TEST_ISA:-} ]] &&
+    [[ $(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())') == AVX512 ]]
+}
+avx2_stage() {  # [pytest args]
+  echo "[test] the precision tests with kernels held to AVX2, as an AVX2-only CPU runs them"
+  # Where int8 is calibrated from (the archive's file or the warmup batches) does not depend on the kernels: one of
+  # the two runs here.
+  (hold_kernels_to_avx2
+   stage default .venv .cache/inductor-avx2 tests/test_int8.py tests/test_precision.py tests/test_config.py \
+     tests/test_generation.py::test_dtype_auto_serves_float32_and_says_why \
+     --deselect "tests/test_int8.py::test_minilm_embeddings_compile_in_int8_within_the_gate[calibration-file]")
+}
+
 # The ipex stage runs beside stage 1. Sampled through the suite, the machine was half idle (one core of two): a
 # TorchServe worker's load is mostly dynamo's tracing and inductor's lowering, on one thread, and the ipex venv is
 # download and unpacking. At nice 10 it takes mostly the cores stage 1 leaves idle: at 19 the default stage ran about
@@ -72,6 +92,14 @@ if [[ " $PROFILES " == *" ipex "* ]]; then
     bash scripts/setup.sh --profile ipex
     # Its own inductor cache: torch 2.8 and 2.13 write different graphs and kernels.
     TMPDIR=$ipex_tmp stage ipex .venv-ipex ".cache/inductor-ipex$cache_suffix" "$@"
+    # Then, in this background job rather than after stage 1 (which ends last), the AVX2-held precision tests
+    # (below), once stage 1's venv is built.
+    if [[ " $PROFILES " == *" default "* ]]; then
+      until [[ -e $default_venv_ready ]]; do sleep 5; done
+      if avx2_stage_wanted; then
+        mkdir -p "$ipex_tmp/avx2" && TMPDIR=$ipex_tmp/avx2 avx2_stage "$@"
+      fi
+    fi
   ) > "$ipex_log" 2>&1 &
   ipex_stage=$!
   set +m
@@ -81,6 +109,7 @@ if [[ " $PROFILES " == *" ipex "* ]]; then
 fi
 
 bash scripts/setup.sh
+touch "$default_venv_ready"
 echo "[test] ruff check"
 .venv/bin/ruff check handlers scripts tests benchmarks
 # The documentation site (mkdocs.yml): any warning (a broken link or anchor, a page left out of the nav) fails.
@@ -90,20 +119,10 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
 if [[ " $PROFILES " == *" default "* ]]; then
   PT2_IPEX_WHEEL_DIR=$(bash scripts/setup.sh --ipex-wheel) stage default .venv ".cache/inductor$cache_suffix" "$@"
-  # On an AVX-512 machine, the precision tests once more as an AVX2-only CPU runs them (about a minute): the other
-  # kind of machine here, whose int8 and dtype paths differ. On an AVX2 machine the default stage already was that run.
-  if [[ -z ${PT2_TEST_ISA:-} ]]; then
-    if [[ $(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())') == AVX512 ]]; then
-      echo "[test] the precision tests with kernels held to AVX2, as an AVX2-only CPU runs them"
-      # Where int8 is calibrated from (the archive's file or the warmup batches) does not depend on the kernels: one
-      # of the two runs here.
-      (hold_kernels_to_avx2
-       stage default .venv .cache/inductor-avx2 tests/test_int8.py tests/test_precision.py tests/test_config.py \
-         tests/test_generation.py::test_dtype_auto_serves_float32_and_says_why \
-         --deselect "tests/test_int8.py::test_minilm_embeddings_compile_in_int8_within_the_gate[calibration-file]")
-    else
-      echo "[test] this CPU dispatches below AVX-512: the default stage ran as the AVX2 kind runs it"
-    fi
+  if [[ -z ${ipex_stage:-} ]] && avx2_stage_wanted; then
+    avx2_stage "$@"
+  elif [[ -z ${PT2_TEST_ISA:-} ]] && ! avx2_stage_wanted; then
+    echo "[test] this CPU dispatches below AVX-512: the default stage ran as the AVX2 kind runs it"
   fi
 fi
 if [[ " $PROFILES " == *" ipex "* ]]; then

@@ -77,6 +77,9 @@ def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
 
 @pytest.fixture(scope="module")
 def served_mobilenet(mobilenet_root):
+    """The shipped YAML, whose first rung is openvino: the tests that take it are marked openvino, since without
+    OpenVINO (the ipex profile) the worker would compile MobileNetV2 for two minutes to test what torch's version
+    does not change (the request forms)."""
     return engine(mobilenet_root, {}, STATE_DICT, shipped=True)
 
 
@@ -118,6 +121,7 @@ def test_mobilenet_v2_in_float32_answers_within_a_thousandth_of_eager(mobilenet_
 ImageSpecDefault = ImageSpec()
 
 
+@pytest.mark.openvino
 def test_every_request_form_of_torchserves_image_classifier_and_open_inference(served_mobilenet):
     photo = photographs()[0]
     text = base64.b64encode(photo).decode()
@@ -150,6 +154,7 @@ def test_every_request_form_of_torchserves_image_classifier_and_open_inference(s
     assert answers[7]["outputs"][0]["data"] == list(want)
 
 
+@pytest.mark.openvino
 def test_bad_images_are_refused_alone_and_their_neighbours_answered(served_mobilenet):
     photo = photographs()[0]
     png = synthetic(1)[0]

@@ -6,24 +6,16 @@ normalize), channel order and zero padding included. No model, no TorchServe."""
 from __future__ import annotations
 
 import base64
-import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from benchmarks.hostile_images import encoded, png_header_only
 from handlers.config.image import ImageSpec
 from handlers.errors import InvalidInput
 from handlers.tasks import images
-
-
-def encoded(image: Image.Image, fmt: str, **options) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, **options)
-    return buffer.getvalue()
 
 
 PHOTO = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8), "RGB")
@@ -66,15 +58,6 @@ def test_empty_not_an_image_and_truncated_are_each_named():
     jpeg = encoded(PHOTO, "JPEG")
     with pytest.raises(InvalidInput, match="is truncated or corrupt \\(JPEG 64x48"):
         images.open_image(jpeg[: len(jpeg) // 2], 10_000_000)
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG that claims ``width`` x ``height`` pixels in a few dozen bytes: a decompression bomb's header."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    pixels = zlib.compress(b"\0" * 16)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
 
 
 def test_a_decompression_bomb_is_refused_from_its_header_before_it_is_decoded():

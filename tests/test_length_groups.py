@@ -158,13 +158,20 @@ def test_the_engine_fits_its_cost_model_at_load_and_describes_it(minilm_dir, mon
     # The load waits up to 120 s (a worker: 10) for a quiet moment to time in: beside the suite's other stage, niced,
     # a 10 s wait found none once on an AVX-512 EPYC (other processes 10 % of the cores, this one waiting 19 %), and a
     # worker that finds none serves ungrouped, as test_times_that_fit_no_cost_model_give_none_and_say_why proves.
+    # Once, under the full suite with both stages, a quiet moment still gave times that fit no model (worst error
+    # 0.26): the times are the machine's, so a load that fits none is tried again, twice at most.
     monkeypatch.setattr(length_groups, "measure", functools.partial(length_groups.measure, patience_s=120.0))
-    engine = make_engine(minilm_dir, {"pt2_handlers": {
-        "ladder": ["eager"], "dtype": "float32", "max_inputs_per_request": 8,
-        "shapes": {"policy": "dynamic", "batch_sizes": [1, 4], "seq_lengths": [16, 64, 128]}}})
-    engine.load()
+    unfitted = []
+    for _ in range(3):
+        engine = make_engine(minilm_dir, {"pt2_handlers": {
+            "ladder": ["eager"], "dtype": "float32", "max_inputs_per_request": 8,
+            "shapes": {"policy": "dynamic", "batch_sizes": [1, 4], "seq_lengths": [16, 64, 128]}}})
+        engine.load()
+        if engine.lengths.cost is not None:
+            break
+        unfitted.append(engine.describe()["optimization"]["length_groups"])
     # Fitted from the 6 warmup shapes; if not, describe says why (a busy machine, times that fit no model).
-    assert engine.lengths.cost is not None, engine.describe()["optimization"]["length_groups"]
+    assert engine.lengths.cost is not None, unfitted
     assert engine.lengths.cost.token_ms > 0 and engine.lengths.cost.worst_error <= MAX_FIT_ERROR
     assert engine.describe()["optimization"]["length_groups"] == engine.lengths.cost.describe()
 

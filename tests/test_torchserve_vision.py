@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
 
 import pytest
 
 from handlers.serving import server as tsctl
 from tests.conftest import port_shift
-from tests.test_image_classification import photographs, synthetic
+from tests.test_image_classification import photographs
 
 pytestmark = [pytest.mark.integration, pytest.mark.openvino]
 
@@ -88,35 +87,29 @@ def test_every_way_to_send_an_image_gets_the_same_answer(server):
 
 
 def test_bad_images_get_a_400_naming_the_problem_and_their_batch_neighbours_are_answered(server):
-    photo, png = photographs()[1], synthetic(1)[0]
-    bodies = [(photo, "image/jpeg"), (b"", "image/jpeg"), (b"\x89PNG\r\n\x1a\n" + b"\0" * 40, "image/png"),
-              (png[: len(png) // 2], "image/png"), (b"plain words", "text/plain"), (photo, "image/jpeg"),
-              (json.dumps({"data": "A" * 1000}).encode(), "application/json")]
-    answers: dict[int, tuple[int, object]] = {}
-    barrier = threading.Barrier(len(bodies))
+    """benchmarks/hostile_inputs.py's image cases (not an image, truncated, empty, not base64, a decompression bomb,
+    too many images, a body over the limit; odd modes and EXIF rotation answered), sent at once with good photos so
+    TorchServe batches them together: each bad one its 4xx naming the problem, each good one its answer alone, the
+    worker the same process."""
+    from benchmarks import hostile_inputs
 
-    def send(index: int) -> None:
-        barrier.wait()
-        answers[index] = post(server, *bodies[index])
-
-    threads = [threading.Thread(target=send, args=(index,)) for index in range(len(bodies))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert answers[0][0] == 200 and answers[5][0] == 200 and answers[0][1] == answers[5][1], answers
-    expected = {1: "empty", 2: "is not an image PIL can read", 3: "truncated or corrupt",
-                4: "is text but not base64", 6: "is not an image PIL can read"}
-    for index, words in expected.items():
-        status, answer = answers[index]
-        assert status == 400 and words in answer["message"], (index, answer)
-    status, _ = post(server, photo, "image/jpeg")
-    assert status == 200  # the worker is up
+    max_request_size = int(tsctl.read_properties(server.run_dir.parent / "config.properties")["max_request_size"])
+    report = hostile_inputs.check(server, MODEL, max_request_size)
+    outcomes = {outcome.case.kind: outcome for outcome in report["outcomes"]}
+    print(f"{MODEL}: {len(outcomes)} kinds of hostile request: {list(outcomes)}")
+    assert not report["problems"], "\n".join(report["problems"])
+    assert outcomes["decompression bomb (header of 10000x10000)"].status == 400
+    assert outcomes["CMYK JPEG"].status == 200 and outcomes["EXIF-rotated JPEG"].status == 200
+    assert {o.status for o in report["outcomes"]} == {200, 400, 404, 413}
 
 
-def test_a_decompression_bomb_is_refused_and_the_worker_stays_up(server):
-    from tests.test_images import png_header_only
+def test_a_short_soak_of_photographs_and_bad_images_answers_each_as_eager_does(server, model_store):
+    """benchmarks/soak.py, shortened: photographs of mixed sizes at concurrency 16, 1 in 8 a bad image; the sampled
+    answers against fp32 eager, the worker the same process."""
+    from benchmarks import soak
 
-    status, answer = post(server, png_header_only(10_000, 10_000), "image/png")
-    assert status == 400 and "100,000,000 pixels; at most 40,000,000" in answer["message"], answer
-    assert post(server, photographs()[0], "image/jpeg")[0] == 200
+    report = soak.soak(server, MODEL, model_store / f"{MODEL}.mar", requests=240, concurrency=16, bad_every=8,
+                       sample_every=6, warmup=32, max_rss_growth=0.25)
+    print({key: value for key, value in report.items() if key != "samples"})
+    assert not report["problems"], report["problems"]
+    assert report["bad"] == 30 and report["answers_checked"] >= 30
