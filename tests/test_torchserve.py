@@ -1089,8 +1089,10 @@ def test_prometheus_metrics_show_the_ladder_and_each_batch(server):
     assert [value for _, value in of("Pt2BatchRequests")][0] >= 1
     assert [value for _, value in of("Pt2ForwardThreads")][0] >= 1
     assert 0 <= [value for _, value in of("Pt2PaddingPercent")][0] < 100
+    # one series per rung that serves: two where the race kept both, each shape on the faster (openvino, compile)
     for counter in ("Pt2RuntimeFallbacks", "Pt2CompilesAfterReady", "Pt2EagerBatches", "Pt2FramesGivenUp"):
-        assert [value for _, value in of(counter)] == [0.0], (counter, of(counter))
+        values = [value for _, value in of(counter)]
+        assert values and set(values) == {0.0}, (counter, of(counter))
     demoted = of("Pt2RuntimeFallbacks", "minilm-breaks")  # present when the demotion test ran before this one
     if demoted:
         assert sum(value for _, value in demoted) == 2 and any(
