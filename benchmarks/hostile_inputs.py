@@ -290,7 +290,6 @@ def at_once(server: torchserve.Server, model: str, requests: list[Request]) -> l
     return results
 
 
-
 def check(server: torchserve.Server, model: str, max_request_size: int = DEFAULT_MAX_REQUEST_SIZE) -> dict[str, Any]:
     """Run every case against ``model`` with good neighbours. Returns the outcomes and the problems found
     (an empty ``problems`` list: the model passed)."""
