@@ -120,16 +120,28 @@ def _openvino(variant: str, model: Any, batch: int) -> Callable[[Any], Any] | No
     return lambda pixels: forward(x=pixels)
 
 
+def _optional(module: str, variant: str, install: str) -> Any:
+    """A runtime only the benchmark uses, imported; None (logged: the variant is left out) where it is missing."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        log(f"{variant}: {module} does not import ({exc}); {install}. Left out")
+        return None
+
+
 def _openvino_int8(model: Any) -> Callable[[Any], Any] | None:
-    """NNCF's post-training static int8 of the IR the openvino rung converts (calibrated on seeded images)."""
+    """NNCF's post-training static int8 of the IR the openvino rung converts (calibrated on seeded images), compiled
+    with the rung's own settings at bf16 where the CPU has it."""
     import openvino
     import torch
 
-    from handlers.rungs.openvino import export
-    try:
-        import nncf
-    except ImportError as exc:
-        log(f"openvino-int8: nncf does not import ({exc}); install the bench extra. Left out")
+    from handlers.config import DType
+    from handlers.rungs.openvino import OpenVinoRung, export
+
+    nncf = _optional("nncf", "openvino-int8", "pip install nncf")
+    if nncf is None:
         return None
     started = time.perf_counter()
     ir = openvino.convert_model(export(_Keyword(model), {"x": inputs(8)}, {"x": (2, 3)}))
@@ -137,9 +149,8 @@ def _openvino_int8(model: Any) -> Callable[[Any], Any] | None:
     quantized = nncf.quantize(ir, nncf.Dataset([calibration[i:i + 1].numpy() for i in range(len(calibration))]),
                               subset_size=len(calibration))
     log(f"openvino-int8: NNCF quantized the IR in {time.perf_counter() - started:.1f}s")
-    compiled = openvino.Core().compile_model(quantized, "CPU", {
-        "INFERENCE_PRECISION_HINT": "bf16" if has_bf16() else "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
-        "PERFORMANCE_HINT": "LATENCY"})
+    settings = OpenVinoRung(torch.device("cpu")).config(DType.BFLOAT16 if has_bf16() else DType.FLOAT32)
+    compiled = openvino.Core().compile_model(quantized, "CPU", settings)
     return lambda pixels: torch.from_numpy(compiled(pixels.numpy())[0].copy())
 
 
@@ -147,10 +158,9 @@ def _onnxruntime(model: Any) -> Callable[[Any], Any] | None:
     import tempfile
 
     import torch
-    try:
-        import onnxruntime
-    except ImportError as exc:
-        log(f"onnxruntime-fp32: onnxruntime does not import ({exc}); install the bench extra. Left out")
+
+    onnxruntime = _optional("onnxruntime", "onnxruntime-fp32", "install the bench extra")
+    if onnxruntime is None:
         return None
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
