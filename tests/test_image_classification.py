@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from PIL import Image
 
+from benchmarks.hostile_images import encoded
 from handlers.config import load_config
 from handlers.config.image import ImageSpec
 from handlers.errors import HandlerError
@@ -64,15 +64,7 @@ def photographs() -> list[bytes]:
 
 
 def synthetic(count: int, seed: int = 7) -> list[bytes]:
-    return [encoded(image) for image in images.synthetic_images(count, seed)]
-
-
-def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    image.save(buffer, fmt)
-    return buffer.getvalue()
+    return [encoded(image, "PNG") for image in images.synthetic_images(count, seed)]
 
 
 @pytest.fixture(scope="module")
