@@ -6,6 +6,9 @@ ImageNet weights, ResNet-50 with random ones: benchmarks/vision_networks.py), on
     stock-compile  the same with TorchServe's own ``pt2: {compile: {enable: true, backend: inductor}}``: it compiles
                    at the first request, whose time is reported
     pt2-handlers   model_configs/mobilenet-image-classification.yaml's settings (the ladder, at load)
+    pt2-handlers-int8  with --int8: the same with ``dtype: [int8, auto]`` and ``pick: fastest``: int8 (the compile
+                   rung's static int8 of the convolutions and linear layers) where the gate keeps it and it is faster
+                   than what auto picks, raced against OpenVINO
 
 All three take the same batching (batchSize / maxBatchDelay of the shipped YAML) and one worker each. Every request
 is one photograph (scikit-learn's two 640 x 427 JPEGs) as base64 text in a JSON string (which both handlers read); the
@@ -14,6 +17,7 @@ requests in --rounds rounds that alternate which goes first; requests per second
 multiples of the stock handler's.
 
     .venv/bin/python -m benchmarks.e2e_vision [--networks mobilenet_v2 resnet50] [--requests 200] [--concurrency 1 16]
+        [--int8]
 
 Ports: the shipped ones + --port-shift (default 23000), clear of a dev server, the tests and the other benchmarks.
 """
@@ -39,8 +43,8 @@ from handlers.serving import archive
 from handlers.serving import server as torchserve
 
 HANDLER = REPO / "benchmarks" / "baseline_image_handler.py"
-STOCK, STOCK_COMPILE, OURS = "stock", "stock-compile", "pt2-handlers"
-MODELS = (STOCK, STOCK_COMPILE, OURS)
+STOCK, STOCK_COMPILE, OURS, OURS_INT8 = "stock", "stock-compile", "pt2-handlers", "pt2-handlers-int8"
+INT8_SETTINGS = {"dtype": ["int8", "auto"], "pick": "fastest"}
 LONE_STAGES = ("parse", "preprocess", "forward", "postprocess", "handler", "outside_handler", "client")
 SHARED_KEYS = ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay", "responseTimeout", "startupTimeout")
 
@@ -55,8 +59,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=40, help="untimed requests per archive first")
     parser.add_argument("--port-shift", type=int, default=23000)
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
+    parser.add_argument("--int8", action="store_true",
+                        help=f"a fourth archive, {OURS_INT8}: the shipped YAML with " + ", ".join(
+                            f"{key}: {value}" for key, value in INT8_SETTINGS.items()))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "e2e-vision")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.models = (STOCK, STOCK_COMPILE, OURS, *((OURS_INT8,) if args.int8 else ()))
+    return args
 
 
 def package_stock(name: str, network: Network, weights: Path, store: Path, work: Path, compiled: bool) -> None:
@@ -83,10 +92,10 @@ def bodies(count: int) -> list[str]:
     return [encoded[index % len(encoded)] for index in range(count)]
 
 
-def first_answers(server: torchserve.Server) -> dict[str, tuple[float, Any]]:
+def first_answers(server: torchserve.Server, models: tuple[str, ...]) -> dict[str, tuple[float, Any]]:
     """Each archive's first request: seconds, and its answer (stock-compile compiles here)."""
     found = {}
-    for model in MODELS:
+    for model in models:
         started = time.perf_counter()
         status, raw = server.call("POST", f"{server.inference_url}/predictions/{model}", "inference",
                                   json.dumps(bodies(1)[0]).encode(), "application/json", timeout=900)
@@ -121,22 +130,29 @@ def serve_and_load(args: argparse.Namespace, network: Network) -> list[dict[str,
     package_stock(STOCK_COMPILE, network, weights, store, work, compiled=True)
     archive.build(OURS, None, SHIPPED, store, extra_files=(LABELS,),
                   files=archive.ModelForm(network.model_file, weights))
+    if OURS_INT8 in args.models:
+        int8 = yaml.safe_load(SHIPPED.read_text())
+        int8["pt2_handlers"].update(INT8_SETTINGS)
+        (work / f"{OURS_INT8}.yaml").write_text(yaml.safe_dump(int8, sort_keys=False))
+        archive.build(OURS_INT8, None, work / f"{OURS_INT8}.yaml", store, extra_files=(LABELS,),
+                      files=archive.ModelForm(network.model_file, weights))
+    models = args.models
     config = torchserve.shifted_config(work, args.port_shift)
     started = time.perf_counter()
-    server = torchserve.start(config, store, [f"{model}={model}.mar" for model in MODELS], work / "run",
+    server = torchserve.start(config, store, [f"{model}={model}.mar" for model in models], work / "run",
                               args.timeout, extra_env={"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")})
-    log(f"TorchServe READY with {', '.join(MODELS)} in {time.perf_counter() - started:.1f}s")
+    log(f"TorchServe READY with {', '.join(models)} in {time.perf_counter() - started:.1f}s")
     rows: list[dict[str, Any]] = []
     stages: dict[str, float] = {}
     try:
-        firsts = first_answers(server)
-        for model in MODELS:
+        firsts = first_answers(server, models)
+        for model in models:
             send_all(server, model, bodies(args.warmup), 2)
         for concurrency in args.concurrency:
-            results: dict[str, list[dict[str, Any]]] = {model: [] for model in MODELS}
+            results: dict[str, list[dict[str, Any]]] = {model: [] for model in models}
             share = args.requests // args.rounds
             for round_index in range(args.rounds):
-                order = MODELS if round_index % 2 == 0 else tuple(reversed(MODELS))
+                order = models if round_index % 2 == 0 else tuple(reversed(models))
                 for model in order:
                     results[model].append(send_all(server, model, bodies(share), concurrency))
                     last = results[model][-1]
@@ -218,7 +234,7 @@ def report(args: argparse.Namespace, header: dict[str, Any], rows: list[dict[str
                [f"{c} clients" for c in args.concurrency],
                [(NETWORKS[name].title, {model: [next(r["rps"] for r in rows if r["network"] == name
                                                      and r["archive"] == model and r["concurrency"] == c)
-                                                for c in args.concurrency] for model in MODELS})
+                                                for c in args.concurrency] for model in args.models})
                 for name in args.networks])
 
 

@@ -8,6 +8,9 @@ Forms, each timed at batch 1 and 8 (224 x 224 inputs):
   channels_last (the memory format oneDNN's convolutions prefer on CPU);
 * ``compile-fp32`` and ``compile-fp32-channels_last``: ``torch.compile`` (inductor, default mode), static shapes;
 * ``compile-bf16-channels_last``: the same in bf16 (where the CPU has bf16 dot products);
+* ``compile-int8``: static int8 as the compile rung builds it with ``dtype: [int8, auto]``
+  (``handlers.precision.quantize.static_int8``: torchao's x86 inductor quantizer, convolutions and linear layers,
+  calibrated on 32 synthetic images; the rest in bf16 where the CPU has it), compiled frozen;
 * ``openvino-f32`` and ``openvino-bf16``: the module exported and compiled by OpenVINO as the openvino rung does
   (``handlers.rungs.openvino``), at ``INFERENCE_PRECISION_HINT`` f32 and bf16 (bf16 only where the CPU has bf16 dot
   products);
@@ -42,8 +45,8 @@ from benchmarks.harness import DEFAULT_OUT, log, markdown_table, run_header, wri
 from benchmarks.vision_networks import LABELS, NETWORKS, SHIPPED, Network
 
 VARIANTS = ("eager-fp32", "eager-fp32-channels_last", "compile-fp32", "compile-fp32-channels_last",
-            "compile-bf16-channels_last", "openvino-f32", "openvino-bf16", "openvino-int8", "onnxruntime-fp32",
-            "served")
+            "compile-bf16-channels_last", "compile-int8", "openvino-f32", "openvino-bf16", "openvino-int8",
+            "onnxruntime-fp32", "served")
 BATCHES = (1, 8)
 
 
@@ -84,6 +87,8 @@ def build(variant: str, model: Any, batch: int, root: Path) -> Callable[[Any], A
     if "bf16" in variant and not has_bf16():
         log(f"{variant}: no bf16 dot products on this CPU, left out")
         return None
+    if variant == "compile-int8":
+        return _compile_int8(model)
     if variant.startswith("eager") or variant.startswith("compile"):
         channels_last = variant.endswith("channels_last")
         module = copy.deepcopy(model)
@@ -152,6 +157,35 @@ def _openvino_int8(model: Any) -> Callable[[Any], Any] | None:
     settings = OpenVinoRung(torch.device("cpu")).config(DType.BFLOAT16 if has_bf16() else DType.FLOAT32)
     compiled = openvino.Core().compile_model(quantized, "CPU", settings)
     return lambda pixels: torch.from_numpy(compiled(pixels.numpy())[0].copy())
+
+
+def _compile_int8(model: Any) -> Callable[[Any], Any]:
+    """The model quantized as the compile rung's int8 is (calibrated on seeded images), compiled with freezing."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from handlers.precision.quantize import static_int8
+
+    class Pixels(torch.nn.Module):  # called by keyword, as the ladder calls a task's module
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: Any) -> Any:
+            return self.model(x)
+
+    started = time.perf_counter()
+    calibration = inputs(32, seed=21)
+    quantized = static_int8(Pixels(), [{"x": calibration[i:i + 8]} for i in range(0, 32, 8)],
+                            torch.bfloat16 if has_bf16() else torch.float32)
+    log(f"compile-int8: quantized in {time.perf_counter() - started:.1f}s")
+    compiled = torch.compile(quantized, dynamic=False)
+
+    def forward(pixels: Any) -> Any:
+        # frozen, as the rung compiles int8: oneDNN's int8 convolutions take constant weights (read while traced)
+        with inductor_config.patch(freezing=True):
+            return compiled(x=pixels)
+    return forward
 
 
 def _onnxruntime(model: Any) -> Callable[[Any], Any] | None:

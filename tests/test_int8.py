@@ -316,6 +316,39 @@ def test_static_int8_keeps_narrowing_linears_in_float_and_serves_shapes_it_was_n
 
 
 @pytest.mark.torchao
+def test_static_int8_quantizes_convolutions_so_an_image_classifier_runs_int8_too():
+    """torchao's x86 inductor quantizer takes convolutions (with their batch norms folded) as well as linear layers:
+    an image classifier's int8 is the whole network, not only its head. Only the batch is dynamic in an image's
+    graph after preprocessing, and it serves a batch size it was not calibrated on."""
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(16, 32, 3, stride=2), torch.nn.ReLU(),
+                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10)).eval()
+
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net()
+
+        def forward(self, pixel_values):
+            return self.net(pixel_values)
+
+    generator = torch.Generator().manual_seed(2)
+    examples = [{"pixel_values": torch.rand(rows, 3, 32, 32, generator=generator)} for rows in (4, 2, 1)]
+    quantized = quantize.static_int8(Classifier().eval(), examples)
+    targets = [str(node.target) for node in quantized.graph.graph.nodes if node.op == "call_function"]
+    # int8 weights for both convolutions; the head narrows (32 to 10 classes) and stays float by the linears' rule
+    assert targets.count("quantized_decomposed.dequantize_per_channel.default") == 2, targets
+    assert targets.count("aten.conv2d.default") == 2 and "aten.batch_norm.default" not in targets, targets
+    pixels = torch.rand(3, 3, 32, 32, generator=generator)
+    with torch.inference_mode():
+        got, want = quantized(pixel_values=pixels).softmax(-1), net()(pixels).softmax(-1)
+    assert (got - want).abs().max().item() < 0.05 and torch.equal(got.argmax(-1), want.argmax(-1)), (got, want)
+
+
+@pytest.mark.torchao
 def test_static_int8_leaves_attention_value_projections_in_float():
     """A value projection's error reaches every token's attention output unsoftened: it stays float, by its name in
     BERT, DistilBERT, BART/OPT/Llama or DeBERTa; the query beside it, as wide, gets int8 weights."""
