@@ -301,14 +301,14 @@ class SettingsSection(Section):
     with bf16 (`[float16, float32]` on one without), `[float32]` on other CPUs; auto's bf16 (or fp16) serves only
     where its eager forward is at least 5 % faster than fp32's on the warmup batches (some CPUs run bf16 slower than
     fp32). Or one precision (that one only), or a list of them, each once, e.g. `[bfloat16, float32]`, which `auto`
-    may end: `[int8, auto]` tries int8, then what `auto` picks. `int8` (static int8 linear layers, calibrated: see
-    `int8_calibration`; compiled frozen; the layers that narrow and the value projections are measured first and
-    stay float, whole or in their few largest input channels, where int8 would cost the answers; the float part runs
-    in bf16 where bf16 is tried and passed its screen, else float32) is opt-in: never chosen by `auto`, and left out
-    on a CPU without int8 dot products (VNNI or AMX), where it would not be faster. It is judged on the warmup
-    batches and on held-out texts it was not calibrated on; where it passes the gate it serves only if at least 5 %
-    faster than the same rung in the next precision. The fp32 model is always loaded too: the reference and the eager
-    fallback."""
+    may end: `[int8, auto]` tries int8, then what `auto` picks. `int8` (static int8 linear layers and convolutions,
+    calibrated: see `int8_calibration`; compiled frozen; the linear layers that narrow and the value projections are
+    measured first and stay float, whole or in their few largest input channels, where int8 would cost the answers;
+    the float part runs in bf16 where bf16 is tried and passed its screen, else float32) is opt-in: never chosen by
+    `auto`, and left out on a CPU without int8 dot products (VNNI or AMX), where it would not be faster. It is judged
+    on the warmup batches and on held-out inputs it was not calibrated on; where it passes the gate it serves only if
+    at least 5 % faster than the same rung in the next precision. The fp32 model is always loaded too: the reference
+    and the eager fallback."""
     int8_calibration: StrictStr | None = DEFAULTS.int8_calibration
     """With `int8` in `dtype`: a UTF-8 text file in the archive (relative to it, e.g. `calibration.txt`, packaged
     with `--extra-files`), one text per line, like those the model will be sent; at least 4. int8 is calibrated on

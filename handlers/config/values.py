@@ -56,7 +56,7 @@ class DType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
-    INT8 = "int8"  # opt-in only (never from auto): static int8 linear layers (PT2E), the rest in bf16 or float32
+    INT8 = "int8"  # opt-in (never from auto): static int8 linear layers and convolutions (PT2E), the rest bf16 or fp32
 
     @property
     def torch(self) -> torch.dtype:
