@@ -10,7 +10,14 @@ ImageNet weights, ResNet-50 with random ones: benchmarks/vision_networks.py), on
                    rung's static int8 of the convolutions and linear layers) where the gate keeps it and it is faster
                    than what auto picks, raced against OpenVINO
 
-All three take the same batching (batchSize / maxBatchDelay of the shipped YAML) and one worker each. Every request
+With ``--stock torchvision`` the two stock archives are TorchServe's own ``image_classifier`` handler, which imports
+torchvision and captum: they are served by a second TorchServe run from a venv of torch's CUDA build (on CPU),
+torchvision and captum (``scripts/setup.sh --profile stock-vision``: built on first use outside the clone, several
+GB, never in CI), beside the first; rounds alternate between all archives as in one server. By default
+(``--stock replica``) they are benchmarks/baseline_image_handler.py, the same handler with PIL doing torchvision's
+four transforms, in the same TorchServe as pt2-handlers.
+
+All take the same batching (batchSize / maxBatchDelay of the shipped YAML) and one worker each. Every request
 is one photograph (scikit-learn's two 640 x 427 JPEGs) as base64 text in a JSON string (which both handlers read); the
 answers' top labels are compared first (a difference is logged). Per concurrency, each archive gets --requests
 requests in --rounds rounds that alternate which goes first; requests per second and latency percentiles, as
@@ -37,7 +44,8 @@ from typing import Any
 import yaml
 
 from benchmarks.e2e import send_all
-from benchmarks.harness import DEFAULT_OUT, REPO, log, markdown_table, run_header, write_csv, write_json, write_plot
+from benchmarks.harness import (DEFAULT_OUT, REPO, log, markdown_table, profile_venv, run_header, write_csv,
+                                write_json, write_plot)
 from benchmarks.vision_networks import LABELS, NETWORKS, SHIPPED, Network
 from handlers.serving import archive
 from handlers.serving import server as torchserve
@@ -59,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=40, help="untimed requests per archive first")
     parser.add_argument("--port-shift", type=int, default=23000)
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
+    parser.add_argument("--stock", choices=("replica", "torchvision"), default="replica",
+                        help="the stock rows: the replica handler beside ours, or TorchServe's own image_classifier "
+                             "from the stock-vision venv in a second TorchServe (see above)")
     parser.add_argument("--int8", action="store_true",
                         help=f"a fourth archive, {OURS_INT8}: the shipped YAML with " + ", ".join(
                             f"{key}: {value}" for key, value in INT8_SETTINGS.items()))
@@ -68,16 +79,19 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def package_stock(name: str, network: Network, weights: Path, store: Path, work: Path, compiled: bool) -> None:
-    """The stock handler's archive, as torch-model-archiver packs TorchServe's image classifier example."""
+def package_stock(name: str, network: Network, weights: Path, store: Path, work: Path, compiled: bool,
+                  venv: Path | None = None) -> None:
+    """The stock handler's archive, as torch-model-archiver packs TorchServe's image classifier example: with
+    ``venv``, by that venv's archiver with TorchServe's own ``image_classifier``; else with the replica."""
     shipped = yaml.safe_load(SHIPPED.read_text())
     config = {key: shipped[key] for key in SHARED_KEYS if key in shipped}
     if compiled:
         config["pt2"] = {"compile": {"enable": True, "backend": "inductor"}}
     config_path = work / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    command = [archive.archiver(), "--model-name", name, "--version", "1.0", "--model-file", str(network.model_file),
-               "--serialized-file", str(weights), "--handler", str(HANDLER),
+    archiver = str(venv / "bin" / "torch-model-archiver") if venv else archive.archiver()
+    command = [archiver, "--model-name", name, "--version", "1.0", "--model-file", str(network.model_file),
+               "--serialized-file", str(weights), "--handler", "image_classifier" if venv else str(HANDLER),
                "--extra-files", str(LABELS), "--config-file", str(config_path),
                "--export-path", str(store), "--force"]
     log(f"packaging {name}: {' '.join(command)}")
@@ -92,10 +106,11 @@ def bodies(count: int) -> list[str]:
     return [encoded[index % len(encoded)] for index in range(count)]
 
 
-def first_answers(server: torchserve.Server, models: tuple[str, ...]) -> dict[str, tuple[float, Any]]:
-    """Each archive's first request: seconds, and its answer (stock-compile compiles here)."""
+def first_answers(servers: dict[str, torchserve.Server]) -> dict[str, tuple[float, Any]]:
+    """Each archive's first request (``servers``: model -> the TorchServe serving it): seconds, and its answer
+    (stock-compile compiles here)."""
     found = {}
-    for model in models:
+    for model, server in servers.items():
         started = time.perf_counter()
         status, raw = server.call("POST", f"{server.inference_url}/predictions/{model}", "inference",
                                   json.dumps(bodies(1)[0]).encode(), "application/json", timeout=900)
@@ -120,14 +135,17 @@ def main() -> int:
 
 
 def serve_and_load(args: argparse.Namespace, network: Network) -> list[dict[str, Any]]:
-    """One TorchServe serving ``network`` in the three archives; its rows."""
+    """``network`` in each archive (one TorchServe; two with ``--stock torchvision``); its rows."""
     work = Path(tempfile.mkdtemp(prefix="e2e-vision-"))
     store = work / "store"
     store.mkdir()
     weights = network.weights(work)
     log(f"== {network.title}")
-    package_stock(STOCK, network, weights, store, work, compiled=False)
-    package_stock(STOCK_COMPILE, network, weights, store, work, compiled=True)
+    stock_venv = profile_venv("stock-vision", "bin/torchserve") if args.stock == "torchvision" else None
+    stock_store = work / "stock-store" if stock_venv else store
+    stock_store.mkdir(exist_ok=True)
+    package_stock(STOCK, network, weights, stock_store, work, compiled=False, venv=stock_venv)
+    package_stock(STOCK_COMPILE, network, weights, stock_store, work, compiled=True, venv=stock_venv)
     archive.build(OURS, None, SHIPPED, store, extra_files=(LABELS,),
                   files=archive.ModelForm(network.model_file, weights))
     if OURS_INT8 in args.models:
@@ -137,33 +155,52 @@ def serve_and_load(args: argparse.Namespace, network: Network) -> list[dict[str,
         archive.build(OURS_INT8, None, work / f"{OURS_INT8}.yaml", store, extra_files=(LABELS,),
                       files=archive.ModelForm(network.model_file, weights))
     models = args.models
-    config = torchserve.shifted_config(work, args.port_shift)
+    ours = [model for model in models if not (stock_venv and model in (STOCK, STOCK_COMPILE))]
     started = time.perf_counter()
-    server = torchserve.start(config, store, [f"{model}={model}.mar" for model in models], work / "run",
-                              args.timeout, extra_env={"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")})
-    log(f"TorchServe READY with {', '.join(models)} in {time.perf_counter() - started:.1f}s")
-    rows: list[dict[str, Any]] = []
-    stages: dict[str, float] = {}
+    server = torchserve.start(torchserve.shifted_config(work, args.port_shift), store,
+                              [f"{model}={model}.mar" for model in ours], work / "run", args.timeout,
+                              extra_env={"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")})
+    log(f"TorchServe READY with {', '.join(ours)} in {time.perf_counter() - started:.1f}s")
+    servers = {model: server for model in ours}
     try:
-        firsts = first_answers(server, models)
-        for model in models:
-            send_all(server, model, bodies(args.warmup), 2)
-        for concurrency in args.concurrency:
-            results: dict[str, list[dict[str, Any]]] = {model: [] for model in models}
-            share = args.requests // args.rounds
-            for round_index in range(args.rounds):
-                order = models if round_index % 2 == 0 else tuple(reversed(models))
-                for model in order:
-                    results[model].append(send_all(server, model, bodies(share), concurrency))
-                    last = results[model][-1]
-                    log(f"{network.name} c{concurrency} round {round_index + 1}: {model} "
-                        f"{share / last['seconds']:.1f} req/s")
-            rows.extend({"network": network.name, **cell}
-                        for cell in cell_rows(results, concurrency, firsts))
-        stages.update(lone_request_stages(server, args.requests // 2))
+        if stock_venv:
+            servers.update(start_stock(args, work, stock_store, stock_venv))
+        return measure(args, network, servers)
     finally:
-        torchserve.stop(server.run_dir)
+        for run_dir in {served.run_dir for served in servers.values()}:
+            torchserve.stop(run_dir)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def start_stock(args: argparse.Namespace, work: Path, store: Path, venv: Path) -> dict[str, torchserve.Server]:
+    """The second TorchServe, from ``venv``, serving the two stock archives."""
+    (work / "stock").mkdir()
+    started = time.perf_counter()
+    server = torchserve.start(torchserve.shifted_config(work / "stock", args.port_shift + 100), store,
+                              [f"{model}={model}.mar" for model in (STOCK, STOCK_COMPILE)], work / "stock-run",
+                              args.timeout, extra_env={"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-stock")},
+                              venv=venv)
+    log(f"the stock TorchServe ({venv.name}) READY in {time.perf_counter() - started:.1f}s")
+    return {STOCK: server, STOCK_COMPILE: server}
+
+
+def measure(args: argparse.Namespace, network: Network, servers: dict[str, torchserve.Server]) -> list[dict[str, Any]]:
+    """Each archive's first request, then rounds at each concurrency, alternating which goes first; the rows."""
+    models = tuple(model for model in args.models if model in servers)
+    rows: list[dict[str, Any]] = []
+    firsts = first_answers({model: servers[model] for model in models})
+    for model in models:
+        send_all(servers[model], model, bodies(args.warmup), 2)
+    for concurrency in args.concurrency:
+        results: dict[str, list[dict[str, Any]]] = {model: [] for model in models}
+        share = args.requests // args.rounds
+        for round_index in range(args.rounds):
+            for model in models if round_index % 2 == 0 else tuple(reversed(models)):
+                results[model].append(send_all(servers[model], model, bodies(share), concurrency))
+                log(f"{network.name} c{concurrency} round {round_index + 1}: {model} "
+                    f"{share / results[model][-1]['seconds']:.1f} req/s")
+        rows.extend({"network": network.name, **cell} for cell in cell_rows(results, concurrency, firsts))
+    stages = lone_request_stages(servers[OURS], args.requests // 2)
     for row in rows:
         if row["archive"] == OURS and row["concurrency"] == 1:
             row.update({f"lone_{stage}_ms": ms for stage, ms in stages.items()})

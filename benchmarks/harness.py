@@ -293,3 +293,17 @@ def _draw_panel(ax: Any, categories: Sequence[str], series: Mapping[str, Sequenc
     ax.set_xticklabels(categories, rotation=20, ha="right")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small", ncols=min(4, len(series)))
+
+
+def profile_venv(profile: str, has: str) -> Path:
+    """A benchmark-only profile's venv (``scripts/setup.sh --profile PROFILE``: built the first time, outside the
+    clone, never in CI), found or built; its path. ``has``: a file under the venv a working one holds."""
+    started = time.monotonic()
+    log(f"finding or building the {profile} venv: bash scripts/setup.sh --profile {profile}")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--profile", profile], cwd=REPO,
+                          stdout=subprocess.PIPE, text=True)  # its progress goes to our stderr as it comes
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines or not (Path(lines[-1]) / has).is_file():
+        raise SystemExit(f"scripts/setup.sh --profile {profile} failed (exit {done.returncode})")
+    log(f"{profile} venv {lines[-1]} ready in {time.monotonic() - started:.0f}s")
+    return Path(lines[-1])

@@ -55,16 +55,9 @@ def log(message: str) -> None:
 
 def infinity_venv() -> Path:
     """Build (first time, ~1 min, ~1.6 GB) or find the infinity profile's venv; its path."""
-    started = time.monotonic()
-    log("finding or building the Infinity venv: bash scripts/setup.sh --profile infinity")
-    done = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--profile", "infinity"], cwd=REPO,
-                          stdout=subprocess.PIPE, text=True)  # its progress goes to our stderr as it comes
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines or not (Path(lines[-1]) / "bin" / "infinity_emb").is_file():
-        raise SystemExit(f"scripts/setup.sh --profile infinity failed (exit {done.returncode}); no Infinity peers")
-    venv = Path(lines[-1])
-    log(f"Infinity venv {venv} ready in {time.monotonic() - started:.0f}s")
-    return venv
+    from benchmarks.harness import profile_venv  # this file also runs as a script in that venv, without the package
+
+    return profile_venv("infinity", "bin/infinity_emb")
 
 
 def onnx_model_dir(venv: Path, model_dir: Path, work: Path, timeout: float) -> tuple[Path, float]:

@@ -197,6 +197,23 @@ def soak(server: torchserve.Server, model: str, archive: Path, requests: int = 5
             "requests_per_s": round(len(plan) / seconds, 1), **report}
 
 
+def wrong_answers(archive: Path, plan: list, answers: list, checked: list[int], served: tuple[str, str],
+                  progress: Callable[[str], None]) -> list[str]:
+    """The ``checked`` answers that differ from fp32 eager's (the archive's model and YAML, on the eager rung)."""
+    progress(f"[soak] checking {len(checked)} sampled answers against fp32 eager")
+    problems = []
+    with tempfile.TemporaryDirectory() as work:
+        engine = reference_engine(archive, Path(work))
+        for start in range(0, len(checked), 8):
+            chunk = checked[start:start + 8]
+            want = engine.predict([plan[i][0] if plan[i][1] != "application/json" else json.loads(plan[i][0])
+                                   for i in chunk])
+            problems += [f"request {i}: answer {answers[i][1][:120]!r} differs from fp32 eager's {ref}"
+                         for i, ref in zip(chunk, want, strict=True)
+                         if not same_answer(*served, json.loads(answers[i][1]), ref)]
+    return problems
+
+
 def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample], served: tuple[str, str],
           sample_every: int, max_rss_growth: float, progress: Callable[[str], None]) -> dict[str, Any]:
     """``served``: the task and the precision it served in."""
@@ -207,16 +224,8 @@ def judge(archive: Path, plan: list, answers: list, samples: list[ProcessSample]
     if wrong_status:
         problems.append(f"{len(wrong_status)} requests got an unexpected status, e.g. {wrong_status[:3]}")
     checked = [i for i in good[::sample_every] if answers[i] is not None and answers[i][0] == 200]
-    progress(f"[soak] checking {len(checked)} sampled answers against fp32 eager")
-    with tempfile.TemporaryDirectory() as work:
-        engine = reference_engine(archive, Path(work))
-        for start in range(0, len(checked), 8):
-            chunk = checked[start:start + 8]
-            want = engine.predict([plan[i][0] if plan[i][1] != "application/json" else json.loads(plan[i][0])
-                                   for i in chunk])
-            problems += [f"request {i}: answer {answers[i][1][:120]!r} differs from fp32 eager's {ref}"
-                         for i, ref in zip(chunk, want, strict=True)
-                         if not same_answer(*served, json.loads(answers[i][1]), ref)]
+    if checked:
+        problems += wrong_answers(archive, plan, answers, checked, served, progress)
     base, end = samples[0], samples[-1]
     halfway = next(s for s in samples if s.requests >= len(plan) // 2 or s is end)
     rss_growth = (end.rss_mb - base.rss_mb) / base.rss_mb

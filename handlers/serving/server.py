@@ -146,16 +146,17 @@ def server_env(run_dir: Path, extra: dict[str, str] | None = None) -> dict[str, 
 
 
 def start(config: Path, model_store: Path, models: list[str], run_dir: Path, timeout: float,
-          extra_env: dict[str, str] | None = None, every_worker: bool = False) -> Server:
+          extra_env: dict[str, str] | None = None, every_worker: bool = False, venv: Path | None = None) -> Server:
     """Start TorchServe in ``run_dir`` with ``models`` ("name=file.mar") and wait until each is READY: one worker
     serves; ``every_worker`` waits for each model's ``minWorkers`` (workers on the same cores load in turn, and a
     benchmark timed while the next one loads measures its compile). ``extra_env`` goes to the server and its workers
-    (e.g. TORCHINDUCTOR_CACHE_DIR)."""
+    (e.g. TORCHINDUCTOR_CACHE_DIR). ``venv``: the TorchServe installed there, whose workers run its Python (a
+    benchmark's baseline); by default this Python's."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tmp").mkdir(exist_ok=True)
     config = with_absolute_paths(config, run_dir)
     server = server_for(config, run_dir)
-    torchserve = str(Path(sys.executable).parent / "torchserve")
+    torchserve = str((venv / "bin" if venv else Path(sys.executable).parent) / "torchserve")
     command = [torchserve, "--start", "--ncs", "--ts-config", str(config), "--model-store", str(model_store)]
     if models:
         command += ["--models", *models]
