@@ -235,7 +235,6 @@ def test_the_in_pod_config_keeps_torchserve_on_loopback():
 
 
 @pytest.mark.integration
-@pytest.mark.ipex_stage  # the pod's config and probe, whatever torch serves: run once (tests/conftest.py)
 def test_the_in_pod_config_serves_and_the_manifest_probe_says_ready(tmp_path, model_store, cluster):
     """TorchServe with the pod's config (ports shifted, paths pointed here): the probe command from the Deployment
     says READY, v2 and REST inference answer without a token (the proxy is the door), management stays inside."""
