@@ -52,6 +52,10 @@ def port_shift(shift: int) -> int:
     return shift + (500 if declared_profile() == "ipex" else 0)
 
 
+# Markers that only the ipex stage runs, and those it never runs: a test with one of each runs nowhere.
+EXCLUSIVE = {marker: ("default_profile", "torchao", "openvino", "ipex_mismatch") for marker in ("ipex", "ipex_stage")}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that need what this machine or profile lacks are deselected (and said so), never skipped:
     gpu needs CUDA; fused_kernel needs an AVX-512 CPU; ipex needs the ipex profile; ipex_mismatch needs the default
@@ -60,7 +64,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     beside the default stage (PT2_STAGES), else in the default profile; torchao needs torchao, which the default
     profile installs and the ipex profile (torch 2.8) has not; openvino likewise. scripts/test.sh provides all but the
     first two, says which profile each stage is (PT2_PROFILE) and runs both, so only gpu, and fused_kernel on an
-    AVX2-only CPU, stay unrun."""
+    AVX2-only CPU, stay unrun. A test whose markers no stage satisfies together stops the run."""
+    nowhere = [f"{item.nodeid}: {marker} with {other}" for item in items for marker, others in EXCLUSIVE.items()
+               if item.get_closest_marker(marker) for other in others if item.get_closest_marker(other)]
+    if nowhere:
+        raise pytest.UsageError("these tests would run in no stage of scripts/test.sh (the ipex stage has no "
+                                "torchao or openvino and runs no default_profile test): " + "; ".join(nowhere))
     for marker, reason in unavailable_reasons(declared_profile()).items():
         chosen = [item for item in items if item.get_closest_marker(marker)]
         if reason is None or not chosen:
