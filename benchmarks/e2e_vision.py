@@ -75,6 +75,10 @@ def parse_args() -> argparse.Namespace:
                             f"{key}: {value}" for key, value in INT8_SETTINGS.items()))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "e2e-vision")
     args = parser.parse_args()
+    needs = [name for name in args.networks if NETWORKS[name].needs_transformers]
+    if args.stock == "torchvision" and needs:
+        parser.error(f"--stock torchvision: the model.py of {', '.join(needs)} imports transformers, which the "
+                     "stock-vision venv does not hold; pass --networks without them")
     args.models = (STOCK, STOCK_COMPILE, OURS, *((OURS_INT8,) if args.int8 else ()))
     return args
 

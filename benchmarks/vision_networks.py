@@ -27,6 +27,7 @@ class Network:
     name: str
     title: str
     model_file: Path
+    needs_transformers: bool = False  # its model.py imports transformers (the stock-vision venv has none)
 
     def weights(self, work: Path, given: Path | None = None) -> Path:
         """The state_dict's path: ``given``, the MobileNetV2 ImageNet weights, or seeded random weights saved in
@@ -49,5 +50,6 @@ class Network:
 
 NETWORKS = {network.name: network for network in (
     Network("mobilenet_v2", "MobileNetV2 (ImageNet weights)", EXAMPLE / "model.py"),
-    Network("resnet50", "ResNet-50 (random weights)", REPO / "benchmarks" / "resnet50" / "model.py"),
+    Network("resnet50", "ResNet-50 (random weights)", REPO / "benchmarks" / "resnet50" / "model.py",
+            needs_transformers=True),
 )}
