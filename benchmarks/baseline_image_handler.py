@@ -6,7 +6,9 @@ handler imports torchvision for its transforms, and torchvision does not load be
 this file keeps everything of it (``BaseHandler``'s loading of model.py + state_dict, its ``pt2`` compile when the
 model YAML asks, ``VisionHandler.preprocess``, ``ImageClassifier.postprocess``: softmax, top 5,
 ``index_to_name.json``) and does the four transforms (Resize 256, CenterCrop 224, ToTensor, Normalize) with PIL and
-numpy as torchvision does them on a PIL image.
+numpy as torchvision does them on a PIL image, so it runs in the product's venv beside pt2-handlers' archives.
+``e2e_vision --stock torchvision`` serves TorchServe's own handler instead, from a venv where torchvision loads
+(``scripts/setup.sh --profile stock-vision``); the two measured alike (docs/performance.md).
 """
 
 from __future__ import annotations
