@@ -3,6 +3,7 @@ recorded, and every output the caller sees is correct."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import textwrap
@@ -396,7 +397,8 @@ def test_a_race_on_a_busy_machine_is_run_again_and_counts_the_fastest_call_of_ev
         return lambda _: time.sleep(next(durations[name]))
 
     raced = race.run_race([timed("a"), timed("b")], [None], lambda forward, batch: forward(batch),
-                          waited=lambda: next(waits), others=lambda: next(others), sleep=slept.append)
+                          waited=lambda: next(waits), others=lambda: next(others), sleep=slept.append,
+                          patience_s=race.PATIENCE_S)
     assert raced.tries == 2 and slept == [race.PAUSE_S]
     assert raced.ms[0] < 4 <= raced.ms[1]  # a's quiet try counts: 2 ms against 4
     assert not raced.disturbed and raced.describe() == "2 tries"
@@ -420,6 +422,26 @@ def test_a_race_runs_again_only_when_it_waited_for_cores_that_others_used(waitin
     assert raced.tries == tries and raced.disturbed is (tries > 1)
     if raced.disturbed:
         assert "so the times are unreliable" in raced.describe()
+
+
+@pytest.mark.parametrize(("said", "patience"), [(None, race.PATIENCE_S), ("0", 0.0), ("4.5", 4.5),
+                                              *((said, race.PATIENCE_S) for said in ("", "soon", "-1", "nan", "inf"))])
+def test_the_operator_bounds_how_long_a_busy_race_tries_again(monkeypatch, caplog, said, patience):
+    """PT2_RACE_PATIENCE_S: 0 runs a race once however busy the machine (a host busy by design never quietens);
+    a value that is not a number of seconds keeps the default, with a warning naming it."""
+    if said is None:
+        monkeypatch.delenv(race.PATIENCE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(race.PATIENCE_ENV, said)
+    with caplog.at_level(logging.WARNING, logger="handlers.ladder.race"):
+        assert race.race_patience_s() == patience
+    assert (race.PATIENCE_ENV in caplog.text) is (said in ("soon", "-1", "nan", "inf"))
+    if patience == 0:
+        slept = []
+        busy = iter(float(reading) for reading in range(0, 1000, 100))  # every reading far past both thresholds
+        raced = race.run_race([lambda _: None], [None], lambda forward, batch: forward(batch),
+                              waited=lambda: next(busy), others=lambda: next(busy), sleep=slept.append)
+        assert raced.tries == 1 and slept == [] and raced.disturbed
 
 
 def test_the_cpu_probes_see_a_neighbour_on_this_processs_cores():

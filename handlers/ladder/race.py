@@ -10,6 +10,7 @@ Pure torch; no TorchServe import.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 
 from handlers.ladder.decisions import Decisions
+
+logger = logging.getLogger(__name__)
 
 # Timed calls per forward and batch. Each forward counts its fastest call: a busy machine (a neighbour compiling
 # at load) only ever adds time, so the fastest call is the one least disturbed; a median of 5 was tipped by it.
@@ -42,6 +45,26 @@ MAX_WAIT_SHARE = 0.05
 MIN_OTHER_SHARE = 0.10
 PATIENCE_S = 30.0
 PAUSE_S = 2.0
+# The operator's bound on that wait, in seconds (0: one try): a host that is busy by design (several workers loading
+# side by side, a test suite) is never quiet, so waiting for it only delays READY.
+PATIENCE_ENV = "PT2_RACE_PATIENCE_S"
+
+
+def race_patience_s(environ: Mapping[str, str] = os.environ) -> float:
+    """How long a disturbed race tries again: ``PT2_RACE_PATIENCE_S`` where set to a number of seconds (0 or more),
+    else ``PATIENCE_S`` (also where the value is not such a number, with a warning)."""
+    said = environ.get(PATIENCE_ENV, "").strip()
+    if not said:
+        return PATIENCE_S
+    try:
+        patience = float(said)
+    except ValueError:
+        patience = -1.0
+    if not 0 <= patience < float("inf"):  # nan fails both
+        logger.warning("%s=%r is not a number of seconds (0 or more): races try again for up to %.0fs",
+                    PATIENCE_ENV, said, PATIENCE_S)
+        return PATIENCE_S
+    return patience
 
 
 @dataclass(frozen=True)
@@ -92,15 +115,16 @@ def _busy(wait_share: float | None, other_share: float | None) -> bool:
 
 def run_race(forwards: Sequence[Any], batches: Sequence[Any], run: Callable[[Any, Any], Any],
              rounds: int = ROUNDS, waited: Callable[[], float | None] | None = None,
-             others: Callable[[], float | None] | None = None, patience_s: float = PATIENCE_S,
+             others: Callable[[], float | None] | None = None, patience_s: float | None = None,
              pause_s: float = PAUSE_S, sleep: Callable[[float], None] = time.sleep,
              in_a_row: int = IN_A_ROW) -> Race:
     """``forward_ms`` until a try runs on a quiet machine or ``patience_s`` is spent; each forward counts its
     fastest call of every try. A try is disturbed when this process's threads waited for a CPU more than
     ``MAX_WAIT_SHARE`` of its time while other processes used more than ``MIN_OTHER_SHARE`` of its cores.
     ``waited()``: seconds this process has waited for a CPU so far; ``others()``: CPU seconds other processes have
-    used on its cores so far (defaults: the kernel's counters)."""
+    used on its cores so far (defaults: the kernel's counters); ``patience_s`` defaults to ``race_patience_s()``."""
     waited, others = waited or runqueue_wait_s, others or other_cpu_s
+    patience_s = race_patience_s() if patience_s is None else patience_s
     cores = _core_count()
     times: list[list[list[float]]] = [[[] for _ in batches] for _ in forwards]
     deadline = time.monotonic() + patience_s
