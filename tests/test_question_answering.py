@@ -117,6 +117,7 @@ def test_a_tokenizer_that_pads_on_the_left_is_refused_at_load(task_model_dirs, t
         eager_engine(left_padded_copy(task_model_dirs["minilm-qa"], tmp_path))
 
 
+@pytest.mark.default_profile  # the tokenizer windows the pairs: torch's version changes nothing here
 def test_the_windows_come_from_the_rust_backend_and_transformers_path_answers_the_same(task_model_dirs):
     """The serving path windows each pair through the tokenizer's backend directly (``WindowEncoder``); a tokenizer
     it cannot copy goes through transformers' call, with the same answers."""

@@ -30,7 +30,10 @@ from tests.test_precision import auto_served
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.integration
+# The default profile only (tests/conftest.py): TorchServe and adapter behaviour, which torch's version does not change.
+# The ipex profile serves real archives through TorchServe in tests/test_faults.py, tests/test_import_time.py and
+# tests/test_production.py, and proves each task compiled in process (tests/test_<task>.py).
+pytestmark = [pytest.mark.integration, pytest.mark.default_profile]
 
 PORT_SHIFT = port_shift(10000)  # the shipped ports + 10000, so a server started by scripts/start.sh can keep running
 TEXTS = [f"sentence number {i} about {topic}" for i, topic in
@@ -893,6 +896,37 @@ def test_grpc_predictions_equal_rest_for_every_body_shape(server):
             assert status == 200 and close(over_grpc, over_rest, 1e-5), (body, over_grpc, over_rest)
     finally:
         client.close()
+
+
+@pytest.mark.default_profile
+def test_grpc_refuses_a_missing_or_wrong_key_and_answers_with_the_right_one(server):
+    """The token goes as gRPC metadata (``authorization: Bearer ...``); stubs come from TorchServe's own protos."""
+    import grpc
+
+    from benchmarks import grpc_client
+
+    config = shifted_config_path(server)
+    body = json.dumps({"text": TEXTS[0]}).encode()
+    right = grpc_client.Client.for_server(config, server.run_dir)
+    try:
+        over_grpc = json.loads(right.predict("minilm", body))
+        over_rest = torch.tensor(predict(server, body)[1]["embedding"])
+        assert_close_embeddings(over_grpc["embedding"], over_rest, min_cosine=0.99999)
+        assert right.describe("minilm")[0]["modelName"] == "minilm"
+    finally:
+        right.close()
+    wrong_keys = {"none": lambda kind: None, "wrong": lambda kind: "x" * 8,
+                  "other": lambda kind: server.key("management" if kind == "inference" else "inference")}
+    for name, key in wrong_keys.items():
+        client = grpc_client.Client.for_server(config, server.run_dir, key)
+        try:
+            for call, args in ((client.predict, ("minilm", body)), (client.describe, ("minilm",))):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(*args)
+                details = info.value.details()
+                assert "Token Authorization failed" in details, (name, info.value.code(), details)
+        finally:
+            client.close()
 
 
 @pytest.mark.default_profile
