@@ -62,7 +62,7 @@ def race_patience_s(environ: Mapping[str, str] = os.environ) -> float:
         patience = -1.0
     if not 0 <= patience < float("inf"):  # nan fails both
         logger.warning("%s=%r is not a number of seconds (0 or more): races try again for up to %.0fs",
-                    PATIENCE_ENV, said, PATIENCE_S)
+                       PATIENCE_ENV, said, PATIENCE_S)
         return PATIENCE_S
     return patience
 
