@@ -112,13 +112,15 @@ def test_the_input_mapping_is_never_mutated():
          r"mode and options apply only to backend 'inductor'"),
         ({"pt2": {"compile": {"enable": True, "options": {"no_such_option": 1}}}},
          r"unknown inductor option\(s\) no_such_option"),
-        ({"pt2": {"export": {"aot_compile": True}}}, r"pt2.export: AOT-compiled .so models are not supported"),
+        ({"pt2": {"export": {"aot_compile": "yes"}}}, r"pt2.export.aot_compile must be bool, got str 'yes'"),
+        ({"pt2": {"export": {"aot_compil": True}}}, r"pt2.export: unknown key\(s\) aot_compil \(did you mean "),
+        ({"pt2": {"exprt": {"aot_compile": True}}}, r"pt2: unknown key\(s\) exprt \(did you mean export\?\)"),
         ({"pt2_handlers": {"task": "translation"}},
          r"pt2_handlers.task: unknown task 'translation'; use one of: embeddings"),
         ({"pt2_handlers": {"dtype": "float8"}},
          r"pt2_handlers.dtype: 'float8' is not allowed \(did you mean float32\?\); use one of: auto, float32"),
         ({"pt2_handlers": {"ladder": ["compile", "tensorrt"]}},
-         r"unknown rung 'tensorrt'; use some of: openvino, compile"),
+         r"unknown rung 'tensorrt'; use some of: aot, openvino, compile"),
         ({"pt2_handlers": {"ladder": ["eager", "compile"]}}, r"eager is the last resort and must come last"),
         ({"pt2_handlers": {"ladder": ["compile", "compile"]}}, r"each rung may appear once"),
         ({"pt2_handlers": {"max_length": 0}}, r"pt2_handlers.max_length must be a positive integer, got 0"),
@@ -471,3 +473,20 @@ def test_the_grafana_dashboard_uses_only_declared_metrics():
     assert used and used <= names, used - names
     pt2 = {name for name in names if name.startswith("Pt2")}
     assert pt2 <= used, f"metrics not on the dashboard: {pt2 - used}"
+
+
+def test_pt2_export_aot_compile_is_read_as_torchserve_writes_it_and_puts_the_aot_rung_first():
+    """TorchServe's own key: pt2.export.aot_compile, beside pt2.compile or alone (then compile stays off, with a
+    warning that the JIT fallback does not compile)."""
+    from handlers.rungs import ladder_of
+
+    both = load_config({"pt2": {"compile": {"enable": True}, "export": {"aot_compile": True}}})
+    assert both.aot_compile and both.compile.enabled and both.warnings == ()
+    assert [rung.value for rung in ladder_of(both)] == ["aot", "openvino", "compile", "safe_compile", "ipex", "eager"]
+    alone = load_config({"pt2": {"export": {"aot_compile": True}}})
+    assert alone.aot_compile and not alone.compile.enabled
+    assert "pt2.compile is not set" in alone.warnings[0]
+    listed = load_config({"pt2": {"export": {"aot_compile": True}}, "pt2_handlers": {"ladder": ["compile", "aot"]}})
+    assert [rung.value for rung in ladder_of(listed)] == ["compile", "aot", "eager"]  # where the YAML puts it
+    off = load_config({"pt2": {"compile": {"enable": True}, "export": {"aot_compile": False}}})
+    assert not off.aot_compile and "aot" not in [rung.value for rung in ladder_of(off)]

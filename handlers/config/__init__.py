@@ -60,13 +60,14 @@ def load_config(raw: Mapping[str, Any] | None) -> HandlerConfig:
         found = problems_of(exc, raw)
         message = found[0] if len(found) == 1 else f"{len(found)} problems:" + "".join(f"\n  {line}" for line in found)
         raise ConfigError(message, found) from None
-    return HandlerConfig(compile=_compile_spec(parsed), settings=_settings(parsed.pt2_handlers, parsed.pt2.dynamic),
+    return HandlerConfig(compile=_compile_spec(parsed),
+                         settings=_settings(parsed.pt2_handlers, parsed.pt2.compile.dynamic),
                          workers=parsed.minWorkers, startup_timeout=parsed.startupTimeout,
-                         warnings=pt2_warnings(raw.get("pt2")))
+                         warnings=pt2_warnings(raw.get("pt2")), aot_compile=parsed.pt2.export.aot_compile)
 
 
 def _compile_spec(parsed: ModelYaml) -> CompileSpec:
-    section = parsed.pt2
+    section = parsed.pt2.compile
     return CompileSpec(enabled=section.enable, backend=section.backend, mode=section.mode, dynamic=section.dynamic,
                        fullgraph=section.fullgraph,
                        options=MappingProxyType(dict(section.options)) if section.options is not None else None)
@@ -98,6 +99,9 @@ def pt2_warnings(value: Any) -> tuple[str, ...]:
         return (f"pt2: {value!r} is deprecated; write pt2: {{compile: {{enable: true, backend: {value}}}}}",)
     if not isinstance(value, Mapping):
         return ()
+    if "compile" not in value and "export" in value:
+        return ("pt2.compile is not set: where no AOT package fits the host, the ladder does not compile (openvino "
+                "or eager serve); add pt2.compile for a compiled fallback",)
     if "compile" not in value:
         return ("pt2 with compile options at its top level is deprecated; move them under pt2.compile",)
     if not isinstance(value["compile"], Mapping) or value["compile"].get("enable") is None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import ConfigDict, Field, StrictBool, StrictStr, ValidationInfo, WithJsonSchema, field_validator
 
-from handlers.config.fields import Section, did_you_mean, nearest, problem, problems, shown
+from handlers.config.fields import Section, did_you_mean, nearest, problem, shown
 from handlers.config.values import IPEX_BACKEND, OPENVINO_BACKEND, resolve_backend
 
 
@@ -89,11 +89,26 @@ class LegacyCompileSection(CompileSection):
     """Compile at all; in this older form, on unless `false`."""
 
 
+class ExportSection(Section):
+    """TorchServe's `pt2.export`: the model compiled ahead of time, when the archive is built."""
+
+    aot_compile: StrictBool = False
+    """Build AOTInductor packages into the archive (`python -m handlers package`): the task's module exported with
+    `torch.export` (batch and sequence axes dynamic) and compiled for each float precision `dtype` allows on the
+    packaging host, each proven against fp32 eager on the warmup batches before it is written, with a fingerprint
+    (torch version, device, CPU instruction sets, precision, what the gate measured). The `aot` rung, first in the
+    ladder, loads a package only where its fingerprint fits the worker's host, checked before any of its code is
+    loaded; elsewhere, or if it fails its warmup or gate, the ladder compiles at load as without it, and describe
+    says why. The eager weights stay in the archive for the gate and the fallback."""
+
+
 class Pt2Section(Section):
     """TorchServe's compile section."""
 
     compile: CompileSection = Field(default_factory=CompileSection)
     """`torch.compile`'s arguments."""
+    export: ExportSection = Field(default_factory=ExportSection)
+    """Compiled ahead of time, when the archive is built: AOTInductor packages the `aot` rung serves."""
 
 
 LegacyBackendName = Annotated[str, WithJsonSchema({
@@ -102,23 +117,22 @@ LegacyBackendName = Annotated[str, WithJsonSchema({
                    "backend: inductor}}`."})]
 
 
-def read_pt2(value: Any, _handler: Any) -> CompileSection:
-    """Any of TorchServe's pt2 forms, as the compile section it means (each form checked as strictly)."""
+def read_pt2(value: Any, _handler: Any) -> Pt2Section:
+    """Any of TorchServe's pt2 forms, as the section it means (each form checked as strictly); an older form's
+    options become its compile section."""
     if isinstance(value, str):
-        return LegacyCompileSection.model_validate({"backend": value})
+        return Pt2Section(compile=LegacyCompileSection.model_validate({"backend": value}))
     if not isinstance(value, Mapping):
         raise problem(f"must be a mapping or a backend name, got {shown(value)}")
-    if "export" in value:
-        raise problems([(("export",), "AOT-compiled .so models are not supported by pt2-handlers, which compiles "
-                                      "at load; use pt2.compile", value["export"])])
     section = pt2_section_model(value).model_validate(value)
-    return section.compile if isinstance(section, Pt2Section) else section
+    return section if isinstance(section, Pt2Section) else Pt2Section(compile=section)
 
 
 def pt2_section_model(value: Mapping[str, Any]) -> type[Section]:
-    """The model a mapping under ``pt2`` is read with: the current form where it has ``compile``, or a key that
-    misspells it (``compil`` is then an unknown key, not an older form's), else the older form."""
-    return Pt2Section if any(key == "compile" or nearest(key, ("compile",)) for key in value) else LegacyCompileSection
+    """The model a mapping under ``pt2`` is read with: the current form where it has ``compile`` or ``export``, or a
+    key that misspells one (``compil`` is then an unknown key, not an older form's), else the older form."""
+    current = ("compile", "export")
+    return Pt2Section if any(key in current or nearest(key, current) for key in value) else LegacyCompileSection
 
 
 def declared_dynamic(pt2: Any) -> bool | None:

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, WrapValidator, field_validator
 
 from handlers.config.fields import PositiveInt, Section, problem
-from handlers.config.pt2 import (CompileSection, LegacyBackendName, LegacyCompileSection, Pt2Section, declared_dynamic,
+from handlers.config.pt2 import (LegacyBackendName, LegacyCompileSection, Pt2Section, declared_dynamic,
                                  read_pt2)
 from handlers.config.settings import SettingsSection, read_settings
 
@@ -30,11 +30,11 @@ class ModelYaml(Section):
 
     model_config = ConfigDict(extra="allow", title="pt2-handlers model YAML")  # TorchServe's keys pass
 
-    pt2: Annotated[CompileSection, WrapValidator(read_pt2, json_schema_input_type=(
-        Pt2Section | LegacyCompileSection | LegacyBackendName))] = Field(default_factory=CompileSection)
-    """TorchServe's compile section: `pt2: {compile: {...}}`. The older forms, a backend name alone or the compile
-    options at the top of `pt2`, are still read (checked as strictly) with a deprecation warning; `pt2.export`
-    (AOT-compiled .so models) is refused."""
+    pt2: Annotated[Pt2Section, WrapValidator(read_pt2, json_schema_input_type=(
+        Pt2Section | LegacyCompileSection | LegacyBackendName))] = Field(default_factory=Pt2Section)
+    """TorchServe's compile section: `pt2: {compile: {...}, export: {aot_compile: true}}`. The older forms, a backend
+    name alone or the compile options at the top of `pt2`, are still read (checked as strictly) with a deprecation
+    warning."""
     pt2_handlers: Annotated[SettingsSection, WrapValidator(read_settings, json_schema_input_type=SettingsSection)] = \
         Field(default_factory=SettingsSection)
     """This package's settings."""

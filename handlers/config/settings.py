@@ -315,7 +315,9 @@ class SettingsSection(Section):
     all but every 4th line and judged on those. Left out: int8 is calibrated on the warmup batches and judged also
     on texts of words sampled from the tokenizer's vocabulary (seeded)."""
     ladder: Ladder = Field(DEFAULTS.ladder, json_schema_extra={"uniqueItems": True, "minItems": 1})
-    """The rungs to try, in order: `openvino` (the module exported with torch.export, converted and compiled by
+    """The rungs to try, in order: `aot` (the AOTInductor package built into the archive with
+    `pt2.export.aot_compile`, where its fingerprint fits the host; first whenever that is on, listed or not),
+    `openvino` (the module exported with torch.export, converted and compiled by
     OpenVINO for the CPU, in bf16 by its precision hint where bf16 passed its screen, else f32; the default profile
     installs it), `compile` (what `pt2.compile` asks for), `safe_compile` (inductor, default mode, no custom options),
     `ipex` (CPU only), `eager`. `eager` always ends the ladder: left out, it is added; listed, it must be last. See

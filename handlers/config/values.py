@@ -37,6 +37,7 @@ OPENVINO_BACKEND = "openvino"
 class RungName(str, enum.Enum):
     """The optimization ladder's rungs, tried in the configured order."""
 
+    AOT = "aot"  # the AOTInductor package the archive carries (pt2.export.aot_compile), where it fits the host
     OPENVINO = "openvino"  # the module exported, converted and compiled by OpenVINO, CPU only
     COMPILE = "compile"  # exactly what pt2.compile asks for
     SAFE_COMPILE = "safe_compile"  # inductor, default mode: no CUDA graphs, no autotuning, no custom options
@@ -198,6 +199,7 @@ class HandlerConfig:
     workers: int = 1  # TorchServe's minWorkers: how many workers share this host's cores
     startup_timeout: int = 120  # TorchServe's startupTimeout: seconds a worker has to load
     warnings: tuple[str, ...] = ()
+    aot_compile: bool = False  # pt2.export.aot_compile: the archive carries AOTInductor packages (the aot rung)
 
     @property
     def served_compile(self) -> CompileSpec:

@@ -9,6 +9,8 @@ Layout inside the archive (what the worker sees as its model_dir):
     model/                  the save_pretrained directory (safetensors + tokenizer), or instead
     model.py, model.pth     --model-file and --serialized-file (a state_dict: .pth/.pt/.safetensors), or
     model.pt2               --serialized-file alone: a torch.export program
+    aot/                    with pt2.export.aot_compile: AOTInductor packages, one per precision, and their
+                            fingerprints (index.json), which the worker checks before loading any
     MAR-INF/MANIFEST.json
 
 The same archive by hand: copy this package's ``handlers/`` into a directory of its own (say ``stage/``), then run
@@ -197,6 +199,33 @@ class ModelForm:
             raise SystemExit(f"refusing to build an archive: {exc.message}") from exc
 
 
+def aot_packages(name: str, config: Path, staging: Path, files: ModelForm | None) -> None:
+    """Where the model YAML sets ``pt2.export.aot_compile``, the AOTInductor packages of the staged model
+    (``handlers.serving.aot_packages``), built into ``staging/aot``; the model's own files (``files``) are copied in
+    while they are built, as the worker finds them at the archive's root."""
+    from handlers.config import load_config_file
+    from handlers.models.files import SAVE_PRETRAINED, ModelFiles
+    from handlers.serving import aot_packages as packages
+
+    loaded = load_config_file(config)
+    if not loaded.aot_compile:
+        return
+    print("[package] pt2.export.aot_compile: building AOTInductor packages into the archive ...", flush=True)
+    sources = [path for path in (files.model_file, files.serialized_file) if path] if files else []
+    for path in sources:
+        shutil.copy(path, staging / path.name)
+    try:
+        model_files = ModelFiles(files.model_file and files.model_file.name,
+                                 files.serialized_file and files.serialized_file.name) if files else SAVE_PRETRAINED
+        built = packages.build(staging, loaded, model_files, name)
+    finally:
+        for path in sources:
+            (staging / path.name).unlink()
+    if not built.packages:
+        raise SystemExit("refusing to build an archive: pt2.export.aot_compile is set but no package passed the gate: "
+                         + "; ".join(built.left_out))
+
+
 def build(name: str, model_dir: Path | None, config: Path, export_path: Path, version: str = "1.0",
           extra_files: tuple[Path, ...] = (), archive_format: str = DEFAULT_FORMAT,
           files: ModelForm | None = None) -> Path:
@@ -217,6 +246,7 @@ def build(name: str, model_dir: Path | None, config: Path, export_path: Path, ve
         staging = Path(tmp) / "archive"
         print(f"[package] staging handlers/ and {model_dir or 'the extra files'} ...", flush=True)
         stage(model_dir, staging, extra_files)
+        aot_packages(name, config, staging, files)
         command = archiver_command(name, version, staging, config, export_path, archive_format, files)
         print("[package] running:", shlex.join(command), flush=True)
         subprocess.run(command, check=True)

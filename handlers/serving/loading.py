@@ -25,7 +25,7 @@ from handlers.ladder.guard import GuardedForward
 from handlers.ladder.inputs import Calibration
 from handlers.models.files import SAVE_PRETRAINED, ModelFiles
 from handlers.precision import choice
-from handlers.rungs import CompileRung, Rung, build_rungs, compile_cache
+from handlers.rungs import AotRung, CompileRung, Rung, aot_fingerprint, build_rungs, compile_cache
 from handlers.rungs.compile_cache import CacheDir
 from handlers.serving import length_groups
 from handlers.serving.length_groups import LengthGrouping
@@ -119,10 +119,17 @@ class Loader:
         return build_rungs(self.config, self.device, compile_unavailable=no_cache,
                            inductor_unavailable=features.cpp_compiler_problem(self.device),
                            threads_follow=self.cores.share is not None, cache_dir=self.cache.path,
-                           openvino_unavailable=one_forward)
+                           openvino_unavailable=one_forward, aot_dir=self.model_root / aot_fingerprint.DIRECTORY)
 
     def _attention(self, model: torch.nn.Module, task_class: type[Task],
                    rungs: Sequence[Rung]) -> fused_attention.Outcome:
+        if rungs and isinstance(rungs[0], AotRung) and rungs[0].fits:
+            # The package serves where it passes; building the kernel (~10 s on a new host) would cost most of the
+            # start it saves. A compile rung reached after it traces SDPA.
+            attention = fused_attention.Outcome(False, "the archive's AOT package fits this host and runs SDPA; a "
+                                                       "compile rung reached after it traces SDPA too")
+            logger.info("attention in compiled graphs: %s", attention.summary())
+            return attention
         attention = fused_attention.use_in_compiled_graphs(
             model, self.device, Path(self.cache.path) / fused_attention.DIRECTORY if self.cache.path else None,
             wanted=self.settings.attention is Attention.AUTO, causal=task_class.facts().causal_attention,
