@@ -42,6 +42,7 @@ def aot_archive(tmp_path_factory) -> Path:
     print(built.stdout[-3000:], built.stderr[-3000:])
     assert built.returncode == 0, built.stderr[-3000:]
     assert "[package] aot: float32: compiled in" in built.stdout
+    assert "[package] compile artifacts:" in built.stdout
     return store / "ranker-aot"
 
 
@@ -149,3 +150,27 @@ def test_a_package_built_for_avx512_is_refused_where_kernels_are_held_to_avx2(ao
         assert reason is not None and "avx512" in reason, reason
     else:
         assert reason is None
+
+
+def test_the_jit_fallback_on_a_new_host_compiles_from_the_archives_artifacts(archive_copy, private_inductor_cache):
+    """Where the package does not fit, the compile rung on an empty compile cache reads the graphs and kernels the
+    packaging load compiled (torch's cache artifacts in the archive): inductor generates no code."""
+    rewrite_index(archive_copy, torch="2.0.0")
+    engine = load(archive_copy)
+    cache = engine.describe()["optimization"]["compile_cache"]
+    assert engine.active_rung == "compile"
+    assert cache["archive_artifacts"]["loaded"] is True, cache
+    assert cache["use_at_load"]["fx_graph"]["miss"] == 0 < cache["use_at_load"]["fx_graph"]["hit"], cache
+    answers_are_eagers(engine)
+
+
+def test_compile_artifacts_built_elsewhere_are_left_out_with_the_reason(archive_copy, private_inductor_cache):
+    path = archive_copy / "compile_artifacts" / "index.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "torch": "2.0.0"}))
+    rewrite_index(archive_copy, torch="2.0.0")
+    engine = load(archive_copy)
+    cache = engine.describe()["optimization"]["compile_cache"]
+    assert cache["archive_artifacts"] == {"loaded": False, "reason": f"built with torch 2.0.0, this worker runs "
+                                                                     f"{torch.__version__}"}
+    assert engine.active_rung == "compile" and cache["use_at_load"]["fx_graph"]["miss"] > 0
+    answers_are_eagers(engine)

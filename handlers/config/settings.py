@@ -365,6 +365,14 @@ class SettingsSection(Section):
     compile_cache: StrictStr | None = DEFAULTS.compile_cache
     """Where inductor keeps compiled graphs and kernels. Left out: `TORCHINDUCTOR_CACHE_DIR`, else torch's default.
     An unusable directory is replaced by a private one, with a warning."""
+    compile_artifacts: StrictBool = DEFAULTS.compile_artifacts
+    """Carry the compile cache in the archive: `python -m handlers package` loads the model as a worker does (the
+    whole ladder, in a process of its own, from an empty compile cache) and keeps what it compiled and measured:
+    torch's cache artifacts (`torch.compiler.save_cache_artifacts`: graphs and kernels), the OpenVINO rung's IR and
+    compiled blobs, the fused attention kernel, the races. A worker whose host fits the packaging host (same torch,
+    same device, a CPU whose kernels may use every instruction set the packaging host's could) loads them before its
+    ladder, so its compile rungs skip inductor's code generation and its openvino rung the conversion; elsewhere they
+    are left out, with the reason in describe (`compile_cache.archive_artifacts`)."""
     max_runtime_failures: PositiveInt = DEFAULTS.max_runtime_failures
     """Failed optimized forwards on live batches before the worker demotes itself to fp32 eager."""
     max_inputs_per_request: PositiveInt = DEFAULTS.max_inputs_per_request

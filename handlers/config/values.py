@@ -184,6 +184,7 @@ class HandlerSettings:
     module_guards: ModuleGuards = ModuleGuards.AUTO
     threads: int | None = None  # None: the cores shared among minWorkers workers
     compile_cache: str | None = None  # None: TORCHINDUCTOR_CACHE_DIR, else torch's default
+    compile_artifacts: bool = False  # the archive carries what a load on the packaging host compiled
     max_runtime_failures: int = 3
     max_inputs_per_request: int = 64
     batch_metrics_every_s: float = 1.0  # the per-batch gauges: means of each window this long; 0: every batch

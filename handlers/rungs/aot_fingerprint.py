@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,16 +112,23 @@ def vector_isa() -> str:
 
 def misfit(package: Fingerprint, device: torch.device) -> str | None:
     """Why ``package`` must not run on this host, or None where it fits (its file's bytes are checked on load)."""
-    if package.torch != torch.__version__:
-        return f"built with torch {package.torch}, this worker runs {torch.__version__}"
+    return host_misfit(package.torch, package.device, package.cpu_features, package.vector_isa, device)
+
+
+def host_misfit(built_torch: str, built_device: str, built_features: Sequence[str], built_isa: str,
+                device: torch.device) -> str | None:
+    """Why code built with ``built_torch`` for ``built_device``, on a CPU whose kernels could use ``built_features``,
+    must not run on this host; None where it may."""
+    if built_torch != torch.__version__:
+        return f"built with torch {built_torch}, this worker runs {torch.__version__}"
     here = device_name(device)
-    if package.device != here:
-        return f"built for {package.device}, this worker runs on {here}"
+    if built_device != here:
+        return f"built for {built_device}, this worker runs on {here}"
     if device.type == "cpu":
-        missing = sorted(set(package.cpu_features) - cpu_features())
+        missing = sorted(set(built_features) - cpu_features())
         if missing:
             return (f"built on a CPU whose kernels could use {', '.join(missing)}, which this CPU's may not "
-                    f"(built for {package.vector_isa} kernels)")
+                    f"(built for {built_isa} kernels)")
     return None
 
 

@@ -11,6 +11,7 @@ Layout inside the archive (what the worker sees as its model_dir):
     model.pt2               --serialized-file alone: a torch.export program
     aot/                    with pt2.export.aot_compile: AOTInductor packages, one per precision, and their
                             fingerprints (index.json), which the worker checks before loading any
+    compile_artifacts/      with pt2_handlers.compile_artifacts: the compile cache of a load on the packaging host
     MAR-INF/MANIFEST.json
 
 The same archive by hand: copy this package's ``handlers/`` into a directory of its own (say ``stage/``), then run
@@ -34,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PACKAGE = Path(__file__).resolve().parent.parent  # the handlers package this runs from, copied whole into the archive
 ENTRY_FILE = Path("serving") / "torchserve_handler.py"  # in PACKAGE; the archiver puts it at the root
@@ -54,6 +56,7 @@ def check(paths: list[Path], import_dirs: list[Path]) -> int:
     TorchServe's generic "Failed to start workers". Every problem of a file is printed, one per line."""
     from handlers.config import load_config_file
     from handlers.errors import ConfigError
+    from handlers.rungs import ladder_of
 
     sys.path[:0] = [str(d) for d in import_dirs]  # where a "module:function" backend would be at the archive root
     invalid = 0
@@ -69,7 +72,7 @@ def check(paths: list[Path], import_dirs: list[Path]) -> int:
         compile_text = (f"compile {config.served_compile.backend} (mode {config.served_compile.mode or 'default'})"
                         if config.compile.enabled else "compile off")
         print(f"{path}: ok: task {settings.task}, {compile_text}, ladder "
-              f"{'/'.join(rung.value for rung in settings.ladder)}, shapes {settings.shapes.kind.value}, "
+              f"{'/'.join(rung.value for rung in ladder_of(config))}, shapes {settings.shapes.kind.value}, "
               f"dtype {'/'.join(d.value for d in settings.dtype)}")
         for warning in config.warnings:
             print(f"{path}: warning: {warning}")
@@ -199,31 +202,40 @@ class ModelForm:
             raise SystemExit(f"refusing to build an archive: {exc.message}") from exc
 
 
-def aot_packages(name: str, config: Path, staging: Path, files: ModelForm | None) -> None:
-    """Where the model YAML sets ``pt2.export.aot_compile``, the AOTInductor packages of the staged model
-    (``handlers.serving.aot_packages``), built into ``staging/aot``; the model's own files (``files``) are copied in
-    while they are built, as the worker finds them at the archive's root."""
+def compiled_ahead(name: str, config: Path, staging: Path, files: ModelForm | None) -> None:
+    """What the model YAML asks to compile while the archive is built, into ``staging``: with
+    ``pt2_handlers.compile_artifacts``, the compile cache of a worker's load (``handlers.serving.compile_artifacts``);
+    with ``pt2.export.aot_compile``, the AOTInductor packages (``handlers.serving.aot_packages``). The model's own
+    files (``files``) are copied in meanwhile, as the worker finds them at the archive's root."""
     from handlers.config import load_config_file
-    from handlers.models.files import SAVE_PRETRAINED, ModelFiles
-    from handlers.serving import aot_packages as packages
 
     loaded = load_config_file(config)
-    if not loaded.aot_compile:
+    if not (loaded.aot_compile or loaded.settings.compile_artifacts):
         return
-    print("[package] pt2.export.aot_compile: building AOTInductor packages into the archive ...", flush=True)
     sources = [path for path in (files.model_file, files.serialized_file) if path] if files else []
     for path in sources:
         shutil.copy(path, staging / path.name)
     try:
-        model_files = ModelFiles(files.model_file and files.model_file.name,
-                                 files.serialized_file and files.serialized_file.name) if files else SAVE_PRETRAINED
-        built = packages.build(staging, loaded, model_files, name)
+        _compile_ahead(name, config, staging, files, loaded)
     finally:
         for path in sources:
             (staging / path.name).unlink()
-    if not built.packages:
-        raise SystemExit("refusing to build an archive: pt2.export.aot_compile is set but no package passed the gate: "
-                         + "; ".join(built.left_out))
+
+
+def _compile_ahead(name: str, config: Path, staging: Path, files: ModelForm | None, loaded: Any) -> None:
+    from handlers.models.files import SAVE_PRETRAINED, ModelFiles
+    from handlers.serving import aot_packages, compile_artifacts_build
+
+    model_files = ModelFiles(files.model_file and files.model_file.name,
+                             files.serialized_file and files.serialized_file.name) if files else SAVE_PRETRAINED
+    if loaded.settings.compile_artifacts:
+        compile_artifacts_build.build(staging, config, model_files, name)
+    if loaded.aot_compile:
+        print("[package] pt2.export.aot_compile: building AOTInductor packages into the archive ...", flush=True)
+        built = aot_packages.build(staging, loaded, model_files, name)
+        if not built.packages:
+            raise SystemExit("refusing to build an archive: pt2.export.aot_compile is set but no package passed the "
+                             "gate: " + "; ".join(built.left_out))
 
 
 def build(name: str, model_dir: Path | None, config: Path, export_path: Path, version: str = "1.0",
@@ -246,7 +258,7 @@ def build(name: str, model_dir: Path | None, config: Path, export_path: Path, ve
         staging = Path(tmp) / "archive"
         print(f"[package] staging handlers/ and {model_dir or 'the extra files'} ...", flush=True)
         stage(model_dir, staging, extra_files)
-        aot_packages(name, config, staging, files)
+        compiled_ahead(name, config, staging, files)
         command = archiver_command(name, version, staging, config, export_path, archive_format, files)
         print("[package] running:", shlex.join(command), flush=True)
         subprocess.run(command, check=True)

@@ -234,8 +234,8 @@ class Engine:
             "attention": loaded.attention.describe() if loaded else None,
             "shapes": self.shapes.describe(),
             "length_groups": self.lengths.describe() if self.lengths else None,
-            "compile_cache": ({**self.cache.describe(), "use_at_load": loaded.cache_use if loaded else None}
-                              if self.cache else None),
+            "compile_cache": ({**self.cache.describe(), "use_at_load": loaded.cache_use if loaded else None,
+                               "archive_artifacts": loaded.artifacts if loaded else None} if self.cache else None),
             "runtime": self.guard.describe() if self.guard else None,
         }
         return {

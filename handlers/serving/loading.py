@@ -27,7 +27,7 @@ from handlers.models.files import SAVE_PRETRAINED, ModelFiles
 from handlers.precision import choice
 from handlers.rungs import AotRung, CompileRung, Rung, aot_fingerprint, build_rungs, compile_cache
 from handlers.rungs.compile_cache import CacheDir
-from handlers.serving import length_groups
+from handlers.serving import compile_artifacts, length_groups
 from handlers.serving.length_groups import LengthGrouping
 from handlers.tasks import Task, check_task
 from handlers.tasks.base import TaskSettings
@@ -50,6 +50,7 @@ class Loaded:
     int8_weights: str | None = None  # int8 was tried: the range its weights took on this CPU, and why
     notes: list[str] = field(default_factory=list)
     lengths: LengthGrouping | None = None  # rows of mixed lengths run in groups by it (tasks of one row per text)
+    artifacts: dict[str, Any] | None = None  # the archive's compile artifacts, loaded or why not (None: it has none)
 
 
 class Loader:
@@ -70,6 +71,8 @@ class Loader:
         self.files = files
 
     def load(self) -> Loaded:
+        # Before anything compiles: the compile cache the archive carries, where the host fits it.
+        artifacts = compile_artifacts.load(self.model_root, self.cache.path, self.device)
         task_class = check_task(self.settings.task, import_dir=self.model_root)
         _check_gate_keys(task_class, self.settings.quality_gate)
         # fp32 first: it is the reference every rung is judged against, and the eager fallback.
@@ -100,7 +103,7 @@ class Loader:
                                              shapes.after_ready),
                         shapes, result, Choice(result.dtype, self._why_served(result)), attention, cache_use,
                         int8_weights.describe() if DType.INT8 in self.precisions else None,
-                        [note for rung in rungs for note in rung.notes(self.device)])
+                        [note for rung in rungs for note in rung.notes(self.device)], artifacts=artifacts)
         if task.row_outputs and shapes.length_groups:
             loaded.lengths = self._length_groups(result, reference, batches, shapes)
         return loaded
