@@ -233,6 +233,7 @@ def model_store(tmp_path_factory, minilm_dir, task_model_dirs, mobilenet_weights
                          ("tiny-llama", "tiny-llama-generation.yaml")):
         archive(name, task_model_dirs[name], REPO / "model_configs" / config)
     archive("minilm-int8", minilm_dir, REPO / "model_configs" / "minilm-embeddings-int8.yaml")
+    archive("minilm-aot", minilm_dir, REPO / "model_configs" / "minilm-embeddings-aot.yaml")
     for name, config in (("minilm-faulty", "minilm-faulty-backend.yaml"), ("minilm-wrong", "minilm-wrong-numbers.yaml"),
                          ("minilm-breaks", "minilm-breaks-after-ready.yaml")):
         archive(name, minilm_dir, REPO / "tests" / "configs" / config, (REPO / "tests" / "faulty_backends.py",))

@@ -174,3 +174,14 @@ def test_compile_artifacts_built_elsewhere_are_left_out_with_the_reason(archive_
                                                                      f"{torch.__version__}"}
     assert engine.active_rung == "compile" and cache["use_at_load"]["fx_graph"]["miss"] > 0
     answers_are_eagers(engine)
+
+
+def test_packaging_refuses_aot_for_a_task_that_runs_a_decode_loop(tmp_path):
+    """Generation runs a decode loop over its cache, not one forward of an exported module: no package, and why."""
+    from handlers.config import load_config
+    from handlers.models.files import SAVE_PRETRAINED
+    from handlers.serving import aot_packages
+
+    config = load_config({"pt2": {"export": {"aot_compile": True}}, "pt2_handlers": {"task": "text-generation"}})
+    with pytest.raises(SystemExit, match="text-generation runs a decode loop over its cache"):
+        aot_packages.build(tmp_path, config, SAVE_PRETRAINED, "llm")

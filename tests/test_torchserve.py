@@ -694,6 +694,26 @@ def test_text_classification_compiled_equals_the_pipeline(server, task_model_dir
     assert_nothing_compiled_after_ready(server, "minilm-sentiment")
 
 
+def test_the_aot_archive_serves_its_package_without_compiling(server, reference):
+    """model_configs/minilm-embeddings-aot.yaml: its AOTInductor packages were built and proven by packaging on this
+    host, so the worker serves the one for auto's precision, compiling nothing; its answers are the model's."""
+    status, body = server.management("POST", "/models?url=minilm-aot.mar&initial_workers=1&synchronous=true",
+                                     timeout=900)
+    assert status == 200, body
+    try:
+        optimization = describe(server, "minilm-aot")["customizedMetadata"]["optimization"]
+        assert optimization["active"] == "aot", optimization["attempts"]
+        assert optimization["attempts"][0]["rung"] == "aot" and optimization["attempts"][0]["status"] == "accepted"
+        assert optimization["dtype"] == optimization["precisions"]["tried_in_order"][0]
+        use = optimization["compile_cache"]["use_at_load"]
+        assert all(counts["miss"] == 0 for counts in use.values()), use
+        status, answer = predict(server, {"inputs": TEXTS}, model="minilm-aot")
+        assert status == 200, answer
+        assert_close_embeddings(answer["embeddings"], reference(TEXTS))
+    finally:
+        server.management("DELETE", "/models/minilm-aot")
+
+
 def registered(server, model: str, metric: str = "score_agreement") -> dict:
     """``model``.mar registered with one worker (once per server: later tests reuse it); its optimization
     metadata, with one of the racing rungs active (openvino or compile: the faster here) and its gate's ``metric``

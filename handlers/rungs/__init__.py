@@ -37,10 +37,10 @@ def build_rungs(config: HandlerConfig, device: torch.device,
     those that compile with inductor (e.g. no C++ compiler for a CPU worker). ``threads_follow``: the compiled
     kernels take the thread count each call runs at (the worker shares its cores: handlers.cpu.core_share).
     ``cache_dir``: the compile cache, beside which the openvino rung keeps its IR; ``openvino_unavailable`` skips that
-    rung with the reason (e.g. a task it does not convert). ``pt2.compile.backend: openvino`` is served by the
-    openvino rung: in the compile rung's place where the ladder does not list openvino, else the compile rung is
-    skipped with the reason. ``pt2.export.aot_compile`` puts the aot rung first, serving the packages in ``aot_dir``
-    (the archive's) where they fit the host."""
+    rung and the aot rung with the reason (e.g. a task that runs no single forward of an exported module).
+    ``pt2.compile.backend: openvino`` is served by the openvino rung: in the compile rung's place where the ladder
+    does not list openvino, else the compile rung is skipped with the reason. ``pt2.export.aot_compile`` puts the
+    aot rung first, serving the packages in ``aot_dir`` (the archive's) where they fit the host."""
     requested = replace(config.served_compile, threads_follow=threads_follow)
     by_openvino = config.compile.enabled and config.compile.backend == OPENVINO_BACKEND
     if by_openvino:
@@ -53,7 +53,7 @@ def build_rungs(config: HandlerConfig, device: torch.device,
     for name in ladder_of(config):
         if name is RungName.AOT:
             off = None if config.aot_compile else "pt2.export.aot_compile is off: the archive carries no AOT package"
-            rungs.append(AotRung(device, aot_dir, skip_reason=off))
+            rungs.append(AotRung(device, aot_dir, skip_reason=off or openvino_unavailable))
         elif name is RungName.OPENVINO:
             rungs.append(OpenVinoRung(device, cache_dir, skip_reason=openvino_unavailable))
         elif name is RungName.COMPILE:

@@ -54,6 +54,10 @@ def build(root: Path, config: HandlerConfig, files: ModelFiles, name: str,
     device = torch.device("cpu")
     settings = config.settings
     task_class = check_task(settings.task, import_dir=root)
+    if not task_class.runs_one_forward:
+        raise SystemExit(f"refusing to build AOT packages: {task_class.facts().name} runs a decode loop over its "
+                         "cache, not one forward of an exported module; it stays on the compile rungs (drop "
+                         "pt2.export.aot_compile; pt2_handlers.compile_artifacts carries its compiled graphs)")
     task, model = task_class.load(TaskSettings(settings, root, files, name), device)
     shapes = task.fit_shapes(settings.shapes)
     reference = task.build_module(model)
