@@ -118,6 +118,9 @@ def test_the_pieces_agree(cluster):
     for probe in ("startupProbe", "readinessProbe"):
         command = containers["torchserve"][probe]["exec"]["command"]
         assert command[-2:] == ["ready", model] and f"{mounts['config']}/config.properties" in command
+    # sized to an AOT archive's start (seconds), yet waiting out a cold compile: startupTimeout, 900 s
+    startup = containers["torchserve"]["startupProbe"]
+    assert startup["periodSeconds"] <= 2 and startup["periodSeconds"] * startup["failureThreshold"] >= 900
 
 
 def test_the_dockerfile_builds_what_the_manifests_run(cluster):
