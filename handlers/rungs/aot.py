@@ -99,12 +99,25 @@ class AotRung(Rung):
             raise AotPackageChanged(f"{path.name} is not the package that was proven: its sha256 is {found[:16]}, "
                                     f"the index says {package.sha256[:16]}; not loaded")
         hashed = time.perf_counter()
-        loaded = torch._inductor.aoti_load_package(str(path))
+        loaded = load_package(path)
         logger.info("aot: %s (%s, built with torch %s for %s kernels) checked in %.1fs, loaded in %.1fs", path.name,
                     dtype.value, package.torch, package.vector_isa, hashed - started, time.perf_counter() - hashed)
         from handlers.rungs.exporting import structure
 
         return AotForward(loaded, package.inputs, structure(module, self._example))
+
+
+def load_package(path: Path) -> Any:
+    """The package, loaded without ``aoti_load_package``'s comparison of the device: it builds inductor's
+    instruction-set probes with the C++ compiler (~7 s on a new host) only to log a warning, where the fingerprint
+    was checked already."""
+    try:
+        from torch._inductor.package.package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except (ImportError, AttributeError, TypeError):  # another torch's layout: its own loader
+        return torch._inductor.aoti_load_package(str(path))
+    return AOTICompiledModel(loader)
 
 
 class AotPackageChanged(RuntimeError):
