@@ -27,23 +27,30 @@ FILES = ModelFiles("model.py", "model.pth")
 ROWS = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(scope="module")
-def aot_archive(tmp_path_factory) -> Path:
-    """The ranker's archive as a directory (``--archive-format no-archive``), its package built by the command line in
-    a process of its own: this one never built it (a package that loads only where it was built would fail here)."""
-    from tests.conftest import example_ranker
-
-    ranker = example_ranker(tmp_path_factory.mktemp("ranker"))
-    store = tmp_path_factory.mktemp("aot-store")
-    built = subprocess.run([sys.executable, "-m", "handlers", "package", "--name", "ranker-aot", "--config",
-                            str(CONFIG), "--model-file", str(ranker / "model.py"), "--serialized-file",
-                            str(ranker / "model.pth"), "--export-path", str(store), "--archive-format", "no-archive"],
+def package(out: Path, name: str, config: Path, *model_flags: str) -> Path:
+    """An archive as a directory (``--archive-format no-archive``), built by the command line in a process of its
+    own: this one never built its packages (a package that loads only where it was built would fail here)."""
+    built = subprocess.run([sys.executable, "-m", "handlers", "package", "--name", name, "--config", str(config),
+                            *model_flags, "--export-path", str(out), "--archive-format", "no-archive"],
                            cwd=REPO, capture_output=True, text=True, timeout=600)
     print(built.stdout[-3000:], built.stderr[-3000:])
     assert built.returncode == 0, built.stderr[-3000:]
     assert "[package] aot: float32: compiled in" in built.stdout
-    assert "[package] compile artifacts:" in built.stdout
-    return store / "ranker-aot"
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def ranker_files(tmp_path_factory) -> Path:
+    from tests.conftest import example_ranker
+
+    return example_ranker(tmp_path_factory.mktemp("ranker"))
+
+
+@pytest.fixture(scope="module")
+def aot_archive(tmp_path_factory, ranker_files) -> Path:
+    """The ranker's archive (model.py + its state_dict) with its AOT package and its compile artifacts."""
+    return package(tmp_path_factory.mktemp("aot-store"), "ranker-aot", CONFIG, "--model-file",
+                   str(ranker_files / "model.py"), "--serialized-file", str(ranker_files / "model.pth"))
 
 
 @pytest.fixture
@@ -80,15 +87,16 @@ def rewrite_index(root: Path, **changes) -> None:
 
 
 def test_packaging_writes_each_package_proven_with_its_fingerprint(aot_archive):
-    [package] = index(aot_archive)
-    path = aot_archive / aot_fingerprint.DIRECTORY / package["file"]
-    assert package["precision"] == "float32"
-    assert package["sha256"] == aot_fingerprint.sha256_of(path)
-    assert package["size_bytes"] == path.stat().st_size
-    assert package["torch"] == torch.__version__ and package["device"] == "cpu"
-    assert set(package["cpu_features"]) == aot_fingerprint.cpu_features()
-    assert package["inputs"] == ["x"]
-    assert package["gate"]["value"] >= package["gate"]["threshold"] > 0
+    assert (aot_archive / "compile_artifacts" / "index.json").is_file()
+    [entry] = index(aot_archive)
+    path = aot_archive / aot_fingerprint.DIRECTORY / entry["file"]
+    assert entry["precision"] == "float32"
+    assert entry["sha256"] == aot_fingerprint.sha256_of(path)
+    assert entry["size_bytes"] == path.stat().st_size
+    assert entry["torch"] == torch.__version__ and entry["device"] == "cpu"
+    assert set(entry["cpu_features"]) == aot_fingerprint.cpu_features()
+    assert entry["inputs"] == ["x"]
+    assert entry["gate"]["value"] >= entry["gate"]["threshold"] > 0
     assert (aot_archive / "model.pth").is_file()  # the eager weights stay, for the gate and the fallback
 
 
@@ -100,6 +108,24 @@ def test_a_worker_serves_the_package_without_compiling(archive_copy):
     assert optimization["attempts"][0]["quality"]["value"] >= optimization["attempts"][0]["quality"]["threshold"]
     use = optimization["compile_cache"]["use_at_load"]
     assert all(counts["miss"] == 0 and counts["hit"] == 0 for counts in use.values()), use  # nothing was compiled
+    answers_are_eagers(engine)
+
+
+def test_an_exported_program_gets_its_package_too(tmp_path, ranker_files, private_inductor_cache):
+    """The other model form torch-model-archiver packs alone: a torch.export program (``--serialized-file
+    model.pt2``), exported again with its task's module and compiled ahead of time."""
+    import yaml
+
+    raw = yaml.safe_load(CONFIG.read_text())
+    raw["pt2_handlers"]["compile_artifacts"] = False
+    config = tmp_path / "exported-aot.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    root = package(tmp_path / "store", "exported-aot", config, "--serialized-file", str(ranker_files / "model.pt2"))
+    torch._dynamo.reset()
+    engine = Engine(load_config_file(config), root, torch.device("cpu"), "exported-aot",
+                    files=ModelFiles(None, "model.pt2"))
+    engine.load()
+    assert engine.active_rung == "aot", engine.describe()["optimization"]["attempts"]
     answers_are_eagers(engine)
 
 
@@ -117,17 +143,17 @@ def _another_instruction_set() -> str:
     ("unreadable_index", "cannot be read"),
 ])
 def test_a_package_that_does_not_fit_the_host_falls_to_the_jit_ladder(archive_copy, damage, reason):
-    package = archive_copy / aot_fingerprint.DIRECTORY / index(archive_copy)[0]["file"]
+    packaged = archive_copy / aot_fingerprint.DIRECTORY / index(archive_copy)[0]["file"]
     if damage == "torch":
         rewrite_index(archive_copy, torch="2.0.0")
     elif damage == "instruction_set":
         rewrite_index(archive_copy, cpu_features=[*index(archive_copy)[0]["cpu_features"], _another_instruction_set()])
     elif damage == "changed_file":
-        data = bytearray(package.read_bytes())
+        data = bytearray(packaged.read_bytes())
         data[len(data) // 2] ^= 0xFF
-        package.write_bytes(bytes(data))
+        packaged.write_bytes(bytes(data))
     elif damage == "truncated_file":
-        package.write_bytes(package.read_bytes()[:4096])
+        packaged.write_bytes(packaged.read_bytes()[:4096])
     else:
         (archive_copy / aot_fingerprint.DIRECTORY / aot_fingerprint.INDEX).write_text("{not json")
     engine = load(archive_copy)
@@ -141,11 +167,11 @@ def test_a_package_that_does_not_fit_the_host_falls_to_the_jit_ladder(archive_co
 def test_a_package_built_for_avx512_is_refused_where_kernels_are_held_to_avx2(aot_archive, monkeypatch):
     """As on an AVX2-only CPU (torch's kernels held to AVX2 stand for one): a package whose kernels could use AVX-512
     must not load, whatever this CPU has. On an AVX2-only CPU the package needs nothing more, and fits."""
-    [package] = index(aot_archive)
-    fingerprint = aot_fingerprint.Fingerprint.from_json(package)
+    [entry] = index(aot_archive)
+    fingerprint = aot_fingerprint.Fingerprint.from_json(entry)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     reason = aot_fingerprint.misfit(fingerprint, torch.device("cpu"))
-    built_for_avx512 = any(name.startswith(("avx512", "amx")) for name in package["cpu_features"])
+    built_for_avx512 = any(name.startswith(("avx512", "amx")) for name in entry["cpu_features"])
     if built_for_avx512:
         assert reason is not None and "avx512" in reason, reason
     else:

@@ -35,12 +35,17 @@ def build(staging: Path, config_path: Path, files: ModelFiles, name: str) -> dic
                    name, files.model_file or "", files.serialized_file or ""]
         print("[package] compile artifacts: loading the model as a worker does, from an empty compile cache ...",
               flush=True)
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(staging)}
+        # A temp dir of its own, so it finds no other worker on these cores (their lock files live under TMPDIR): it
+        # compiles as a worker that has the cores to itself, whose compile its graphs' cache keys then match.
+        private_tmp = Path(cache) / "tmp"
+        private_tmp.mkdir()
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(staging), "TMPDIR": str(private_tmp)}
         done = subprocess.run(command, env=env, cwd=staging, check=False)
         if done.returncode != 0:
             raise SystemExit(f"refusing to build an archive: the load that makes its compile artifacts failed (exit "
                              f"{done.returncode}; its log is above)")
         out = staging / DIRECTORY
+        shutil.rmtree(private_tmp, ignore_errors=True)
         for kept in KEPT:
             if (Path(cache) / kept).is_dir():
                 shutil.copytree(Path(cache) / kept, out / OURS / kept)
