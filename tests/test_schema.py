@@ -36,7 +36,7 @@ SIX_MISTAKES = {
         "pt2_handlers.task: unknown task 'embedings' (did you mean embeddings?); use one of: embeddings,",
     ("  model_dir: model", "  batch_size: 4\n  model_dir: model"):
         "pt2_handlers: unknown key(s) batch_size (did you mean shapes.batch_sizes?); allowed: attention, "
-        "batch_metrics_every_s, compile_cache,",
+        "batch_metrics_every_s, compile_artifacts, compile_cache,",
     ("  dtype: auto", "  dtype: bf16"):
         "pt2_handlers.dtype: 'bf16' is not allowed (did you mean bfloat16?); use one of: auto, float32, bfloat16",
 }
