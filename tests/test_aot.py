@@ -6,6 +6,7 @@ out before its code loads, the worker READY on the JIT ladder with the reason in
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,12 +28,12 @@ FILES = ModelFiles("model.py", "model.pth")
 ROWS = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
 
 
-def package(out: Path, name: str, config: Path, *model_flags: str) -> Path:
+def package(out: Path, name: str, config: Path, *model_flags: str, env: dict[str, str] | None = None) -> Path:
     """An archive as a directory (``--archive-format no-archive``), built by the command line in a process of its
     own: this one never built its packages (a package that loads only where it was built would fail here)."""
     built = subprocess.run([sys.executable, "-m", "handlers", "package", "--name", name, "--config", str(config),
                             *model_flags, "--export-path", str(out), "--archive-format", "no-archive"],
-                           cwd=REPO, capture_output=True, text=True, timeout=600)
+                           cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     print(built.stdout[-3000:], built.stderr[-3000:])
     assert built.returncode == 0, built.stderr[-3000:]
     assert "[package] aot: float32: compiled in" in built.stdout
@@ -211,3 +212,21 @@ def test_packaging_refuses_aot_for_a_task_that_runs_a_decode_loop(tmp_path):
     config = load_config({"pt2": {"export": {"aot_compile": True}}, "pt2_handlers": {"task": "text-generation"}})
     with pytest.raises(SystemExit, match="text-generation runs a decode loop over its cache"):
         aot_packages.build(tmp_path, config, SAVE_PRETRAINED, "llm")
+
+
+def test_packaging_for_avx2_nodes_from_an_avx512_host(tmp_path, ranker_files, monkeypatch):
+    """The target named on the command line: torch's kernels held to AVX2 while packaging (``ATEN_CPU_CAPABILITY=avx2
+    python -m handlers package ...``) build a package whose kernels use AVX2 alone, which an AVX2-only CPU fits."""
+    import yaml
+
+    raw = yaml.safe_load(CONFIG.read_text())
+    raw["pt2_handlers"]["compile_artifacts"] = False
+    config = tmp_path / "avx2-aot.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    root = package(tmp_path / "store", "avx2-aot", config, "--model-file", str(ranker_files / "model.py"),
+                   "--serialized-file", str(ranker_files / "model.pth"), env={"ATEN_CPU_CAPABILITY": "avx2"})
+    [entry] = index(root)
+    assert not [name for name in entry["cpu_features"] if name.startswith(("avx512", "amx"))], entry
+    assert entry["vector_isa"] in ("avx2", "none"), entry
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # as on an AVX2-only CPU
+    assert aot_fingerprint.misfit(aot_fingerprint.Fingerprint.from_json(entry), torch.device("cpu")) is None
