@@ -35,7 +35,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports torch only for the commands that need it
+    from handlers.config import HandlerConfig
 
 PACKAGE = Path(__file__).resolve().parent.parent  # the handlers package this runs from, copied whole into the archive
 ENTRY_FILE = Path("serving") / "torchserve_handler.py"  # in PACKAGE; the archiver puts it at the root
@@ -222,7 +225,7 @@ def compiled_ahead(name: str, config: Path, staging: Path, files: ModelForm | No
             (staging / path.name).unlink()
 
 
-def _compile_ahead(name: str, config: Path, staging: Path, files: ModelForm | None, loaded: Any) -> None:
+def _compile_ahead(name: str, config: Path, staging: Path, files: ModelForm | None, loaded: HandlerConfig) -> None:
     from handlers.models.files import SAVE_PRETRAINED, ModelFiles
     from handlers.serving import aot_packages, compile_artifacts_build
 
