@@ -21,6 +21,7 @@ from handlers.config import DType, RungName
 from handlers.rungs import aot_fingerprint
 from handlers.rungs.aot_fingerprint import Fingerprint, UnreadableIndex
 from handlers.rungs.base import Forward, Rung
+from handlers.rungs.exporting import structure
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +103,6 @@ class AotRung(Rung):
         loaded = load_package(path)
         logger.info("aot: %s (%s, built with torch %s for %s kernels) checked in %.1fs, loaded in %.1fs", path.name,
                     dtype.value, package.torch, package.vector_isa, hashed - started, time.perf_counter() - hashed)
-        from handlers.rungs.exporting import structure
-
         return AotForward(loaded, package.inputs, structure(module, self._example))
 
 

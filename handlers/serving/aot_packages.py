@@ -46,10 +46,9 @@ class Built:
     left_out: tuple[str, ...]
 
 
-def build(root: Path, config: HandlerConfig, files: ModelFiles, name: str,
-          precisions: tuple[DType, ...] | None = None) -> Built:
+def build(root: Path, config: HandlerConfig, files: ModelFiles, name: str) -> Built:
     """The packages of the model in ``root`` (the archive's staging directory), written to ``root/aot`` with their
-    index: one per float precision ``dtype`` allows on this host (or ``precisions``), each proven first."""
+    index: one per float precision ``dtype`` allows on this host, each proven first."""
     started = time.perf_counter()
     device = torch.device("cpu")
     settings = config.settings
@@ -69,7 +68,8 @@ def build(root: Path, config: HandlerConfig, files: ModelFiles, name: str,
     with torch.inference_mode():
         references = [detached(task.prove(reference, batch)) for batch in batches]
     _say(f"model loaded, {len(batches)} warmup batches run in fp32 eager in {time.perf_counter() - started:.1f}s")
-    wanted = precisions or choice.resolve_precisions(settings.dtype, device).value
+    wanted = choice.resolve_precisions(settings.dtype, device).value
+    fixed = fixed_axes(batches)
     directory = root / aot_fingerprint.DIRECTORY
     directory.mkdir(exist_ok=True)
     packages, left_out = [], []
@@ -79,7 +79,7 @@ def build(root: Path, config: HandlerConfig, files: ModelFiles, name: str,
             _say(left_out[-1])
             continue
         try:
-            packages.append(_package(directory, reference, dtype, example, fixed_axes(batches), batches, references,
+            packages.append(_package(directory, reference, dtype, example, fixed, batches, references,
                                      task_class.quality_gate(dtype, settings.quality_gate), task.prove))
         except QualityError as exc:
             left_out.append(f"{dtype.value}: failed the gate: {exc}")
